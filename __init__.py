@@ -1,0 +1,69 @@
+"""shardax: JAX-style functional sharding for PyTorch.
+
+Describe a mesh, say with specs or rules how each tensor is split over it,
+and let pure functions move pytrees between layouts:
+
+>>> import torch, shardax as sx
+>>> sx.init()                                   # world size 1 here: no launcher needed
+ProcessInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device(type='cpu'), backend=None, source='none')
+>>> mesh = sx.Mesh({"dp": -1})
+>>> x = sx.shard(torch.arange(6.0).reshape(3, 2), mesh, sx.P("dp", None))
+>>> sx.gather(sx.transfer(x, sx.P(None, "dp")))
+tensor([[0., 1.],
+        [2., 3.],
+        [4., 5.]])
+"""
+
+from . import collectives as collectives
+from . import rules as rules
+from .errors import CollectiveError as CollectiveError
+from .errors import CollectiveTimeoutError as CollectiveTimeoutError
+from .errors import LaunchError as LaunchError
+from .errors import MeshError as MeshError
+from .errors import ShardingError as ShardingError
+from .mesh import AbstractMesh as AbstractMesh
+from .mesh import Mesh as Mesh
+from .mesh import init as init
+from .mesh import shutdown as shutdown
+from .shard import Layout as Layout
+from .shard import NamedSharding as NamedSharding
+from .shard import P as P
+from .shard import PartitionSpec as PartitionSpec
+from .shard import Rule as Rule
+from .shard import Rules as Rules
+from .shard import Sharded as Sharded
+from .shard import explain as explain
+from .shard import gather as gather
+from .shard import plan_transfer as plan_transfer
+from .shard import reshard as reshard
+from .shard import shard as shard
+from .shard import transfer as transfer
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "AbstractMesh",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "Layout",
+    "LaunchError",
+    "Mesh",
+    "MeshError",
+    "NamedSharding",
+    "P",
+    "PartitionSpec",
+    "Rule",
+    "Rules",
+    "ShardingError",
+    "Sharded",
+    "collectives",
+    "explain",
+    "gather",
+    "init",
+    "plan_transfer",
+    "reshard",
+    "rules",
+    "shard",
+    "shutdown",
+    "transfer",
+]

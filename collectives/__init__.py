@@ -1,0 +1,55 @@
+"""Differentiable collectives over mesh axes, with JAX's names.
+
+``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
+``all_to_all``, ``ppermute``, ``broadcast``, ``axis_index``, ``axis_size``,
+``barrier``; ``async_op=True`` for overlap. Their autograd transposes are one
+table (:mod:`shardax.collectives._ops`). Backends sit behind one small
+interface (:class:`Backend`); ``torch`` (gloo on CPU, NCCL on GPU) is the
+reference. ``SHARDAX_BACKEND`` chooses.
+"""
+
+from ._api import AsyncResult as AsyncResult
+from ._api import all_gather as all_gather
+from ._api import all_to_all as all_to_all
+from ._api import apply_op as apply_op
+from ._api import axis_index as axis_index
+from ._api import axis_size as axis_size
+from ._api import barrier as barrier
+from ._api import broadcast as broadcast
+from ._api import pmax as pmax
+from ._api import pmean as pmean
+from ._api import pmin as pmin
+from ._api import ppermute as ppermute
+from ._api import psum as psum
+from ._api import psum_scatter as psum_scatter
+from ._backend import Backend as Backend
+from ._backend import Handle as Handle
+from ._backend import backend_names as backend_names
+from ._backend import get_backend as get_backend
+from ._group import Group as Group
+from ._ops import chunk_sizes as chunk_sizes
+from ._ops import transpose as transpose
+
+__all__ = [
+    "AsyncResult",
+    "Backend",
+    "Group",
+    "Handle",
+    "all_gather",
+    "all_to_all",
+    "apply_op",
+    "axis_index",
+    "axis_size",
+    "backend_names",
+    "barrier",
+    "broadcast",
+    "chunk_sizes",
+    "get_backend",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "transpose",
+]

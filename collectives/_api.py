@@ -1,0 +1,369 @@
+"""Differentiable collectives over mesh axes, with JAX's names.
+
+``axis`` is a mesh axis name or a tuple of names (a tuple acts as one axis of
+their combined size, first name major). The mesh is ``mesh=`` or the one of
+the innermost ``with mesh:`` block. A size-1 axis makes every collective
+local. ``async_op=True`` returns an :class:`AsyncResult` whose ``wait()``
+gives the (still differentiable) result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import CollectiveError
+from ..mesh import _context
+from ._backend import Handle
+from ._group import Group
+from ._ops import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Op,
+    Permute,
+    ReduceScatter,
+    chunk_sizes,
+    transpose,
+)
+
+__all__ = [
+    "AsyncResult",
+    "all_gather",
+    "all_to_all",
+    "apply_op",
+    "axis_index",
+    "axis_size",
+    "barrier",
+    "broadcast",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+]
+
+Axis = str | tuple[str, ...]
+
+
+def _resolve_mesh(mesh: Any, what: str) -> Any:
+    mesh = mesh if mesh is not None else _context.current()
+    if mesh is None:
+        raise CollectiveError(
+            f"{what} needs a mesh: pass mesh=... or call it inside `with mesh:`"
+        )
+    return mesh
+
+
+def _group(axis: Axis | Iterable[str] | None, mesh: Any, what: str) -> Group:
+    mesh = _resolve_mesh(mesh, what)
+    axes = mesh.axis_names if axis is None else axis
+    return mesh.group(axes)
+
+
+def _dim(x: torch.Tensor, dim: int, what: str) -> int:
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise CollectiveError(f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % max(x.dim(), 1)
+
+
+class _Collective(torch.autograd.Function):
+    """Runs an op; backward runs its transpose (itself differentiable)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, op: Op, handle: Handle | None) -> torch.Tensor:
+        out = (handle if handle is not None else op.start(x)).wait()
+        ctx.op = op
+        return x.view_as(x) if out is x else out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _Collective.apply(g, transpose(ctx.op), None), None, None
+
+
+def apply_op(x: torch.Tensor, op: Op) -> torch.Tensor:
+    """Run ``op`` on ``x``, differentiably (backward runs ``transpose(op)``)."""
+    return _Collective.apply(x, op, None)
+
+
+class AsyncResult:
+    """A collective in flight; ``wait()`` returns its differentiable result."""
+
+    __slots__ = ("_handle", "_op", "_result", "_x")
+
+    def __init__(self, x: torch.Tensor, op: Op) -> None:
+        self._x, self._op = x, op
+        self._handle: Handle | None = op.start(x)
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = _Collective.apply(self._x, self._op, self._handle)
+            self._handle = None
+        return self._result
+
+
+def _run(x: torch.Tensor, op: Op, async_op: bool) -> Any:
+    return AsyncResult(x, op) if async_op else _Collective.apply(x, op, None)
+
+
+def _exchange(length: int, group: Group, device: torch.device) -> tuple[int, ...]:
+    t = torch.tensor([length], dtype=torch.int64, device=device)
+    return tuple(int(v) for v in AllGather(group, 0, (1,) * group.size).run(t).tolist())
+
+
+# -- reductions ---------------------------------------------------------------
+
+
+def psum(x: torch.Tensor, axis: Axis, *, mesh: Any = None, async_op: bool = False) -> Any:
+    """Sum ``x`` over the ranks along ``axis``; every rank gets the sum.
+
+    Backward: psum of the cotangent (see :mod:`shardax.collectives._ops`).
+
+    >>> import torch, shardax as sx
+    >>> with sx.Mesh({"dp": -1}):
+    ...     sx.collectives.psum(torch.ones(2), "dp")
+    tensor([1., 1.])
+    """
+    return _run(x, AllReduce(_group(axis, mesh, "psum"), "sum"), async_op)
+
+
+def pmean(x: torch.Tensor, axis: Axis, *, mesh: Any = None, async_op: bool = False) -> Any:
+    """Mean of ``x`` over the ranks along ``axis`` (floating dtypes).
+
+    >>> import torch, shardax as sx
+    >>> sx.collectives.pmean(torch.tensor([2.0]), "dp", mesh=sx.Mesh({"dp": 1}))
+    tensor([2.])
+    """
+    return _run(x, AllReduce(_group(axis, mesh, "pmean"), "mean"), async_op)
+
+
+class _Extremum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, reduce: str) -> torch.Tensor:
+        y = AllReduce(group, reduce).run(x)
+        ctx.group = group
+        ctx.save_for_backward(x, y)
+        return x.view_as(x) if y is x else y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, y = ctx.saved_tensors
+        hit = (x == y).to(g.dtype)
+        total = AllReduce(ctx.group, "sum").run(g)
+        count = AllReduce(ctx.group, "sum").run(hit)
+        return total * hit / count, None, None
+
+
+def pmax(x: torch.Tensor, axis: Axis, *, mesh: Any = None) -> torch.Tensor:
+    """Elementwise maximum over the ranks along ``axis``. Its gradient goes to
+    the ranks holding the maximum (split evenly between ties).
+
+    >>> import torch, shardax as sx
+    >>> sx.collectives.pmax(torch.tensor([3, 1]), "dp", mesh=sx.Mesh({"dp": 1}))
+    tensor([3, 1])
+    """
+    return _Extremum.apply(x, _group(axis, mesh, "pmax"), "max")
+
+
+def pmin(x: torch.Tensor, axis: Axis, *, mesh: Any = None) -> torch.Tensor:
+    """Elementwise minimum over the ranks along ``axis`` (gradient as :func:`pmax`).
+
+    >>> import torch, shardax as sx
+    >>> sx.collectives.pmin(torch.tensor([3, 1]), "dp", mesh=sx.Mesh({"dp": 1}))
+    tensor([3, 1])
+    """
+    return _Extremum.apply(x, _group(axis, mesh, "pmin"), "min")
+
+
+# -- layout-changing collectives ------------------------------------------------
+
+
+def all_gather(
+    x: torch.Tensor,
+    axis: Axis,
+    dim: int = 0,
+    *,
+    tiled: bool = True,
+    sizes: Sequence[int] | None = None,
+    mesh: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """Concatenate the pieces of the ranks along ``axis`` on ``dim`` (in
+    member order); with ``tiled=False``, stack them on a new dim ``dim``.
+
+    Pieces may have different lengths along ``dim`` (empty ones too). Unless
+    ``sizes`` (every member's length) is given, the lengths are exchanged
+    first — one tiny extra collective. Backward: psum_scatter.
+
+    >>> import torch, shardax as sx
+    >>> with sx.Mesh({"dp": 1}):
+    ...     sx.collectives.all_gather(torch.arange(3), "dp"), sx.collectives.all_gather(torch.arange(3), "dp", tiled=False)
+    (tensor([0, 1, 2]), tensor([[0, 1, 2]]))
+    """
+    group = _group(axis, mesh, "all_gather")
+    if not tiled:
+        x = x.unsqueeze(dim)
+        dim, sizes = _dim(x, dim, "all_gather"), (1,) * group.size
+    else:
+        dim = _dim(x, dim, "all_gather")
+    if sizes is None:
+        sizes = _exchange(x.size(dim), group, x.device) if group.size > 1 else (x.size(dim),)
+    if len(sizes) != group.size:
+        raise CollectiveError(f"all_gather over {group.label}: {len(sizes)} sizes for {group.size} members")
+    return _run(x, AllGather(group, dim, tuple(sizes)), async_op)
+
+
+def psum_scatter(
+    x: torch.Tensor,
+    axis: Axis,
+    dim: int = 0,
+    *,
+    tiled: bool = True,
+    mesh: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """Sum over the ranks along ``axis`` and keep this rank's piece of ``dim``
+    (torch.chunk pieces: later ranks may get less, or nothing). With
+    ``tiled=False`` ``dim`` must have one entry per rank and is removed.
+    Backward: all_gather.
+
+    >>> import torch, shardax as sx
+    >>> sx.collectives.psum_scatter(torch.arange(4.0), "dp", mesh=sx.Mesh({"dp": 1}))
+    tensor([0., 1., 2., 3.])
+    """
+    group = _group(axis, mesh, "psum_scatter")
+    dim = _dim(x, dim, "psum_scatter")
+    if not tiled:
+        if x.size(dim) != group.size:
+            raise CollectiveError(
+                f"psum_scatter(tiled=False) over {group.label}: dim {dim} of shape {tuple(x.shape)} "
+                f"must have one entry per rank ({group.size})"
+            )
+        out = _run(x, ReduceScatter(group, dim, (1,) * group.size), async_op)
+        return _Squeezed(out, dim) if async_op else out.squeeze(dim)
+    return _run(x, ReduceScatter(group, dim, chunk_sizes(x.size(dim), group.size)), async_op)
+
+
+class _Squeezed:
+    def __init__(self, inner: AsyncResult, dim: int) -> None:
+        self._inner, self._dim = inner, dim
+
+    def wait(self) -> torch.Tensor:
+        return self._inner.wait().squeeze(self._dim)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    axis: Axis,
+    split_dim: int,
+    concat_dim: int,
+    *,
+    concat_sizes: Sequence[int] | None = None,
+    mesh: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """Split ``split_dim`` into torch.chunk pieces, one per rank along
+    ``axis``, send piece ``j`` to rank ``j`` and concatenate what arrives along
+    ``concat_dim``. Ranks may hold different lengths of ``concat_dim``: they
+    are exchanged first unless ``concat_sizes`` gives them. Backward: the
+    all_to_all back.
+
+    >>> import torch, shardax as sx
+    >>> sx.collectives.all_to_all(torch.ones(2, 3), "dp", 0, 1, mesh=sx.Mesh({"dp": 1})).shape
+    torch.Size([2, 3])
+    """
+    group = _group(axis, mesh, "all_to_all")
+    split_dim, concat_dim = _dim(x, split_dim, "all_to_all"), _dim(x, concat_dim, "all_to_all")
+    if concat_sizes is None:
+        if group.size > 1:
+            concat_sizes = _exchange(x.size(concat_dim), group, x.device)
+        else:
+            concat_sizes = (x.size(concat_dim),)
+    op = AllToAll(
+        group,
+        split_dim,
+        concat_dim,
+        chunk_sizes(x.size(split_dim), group.size),
+        tuple(concat_sizes),
+    )
+    return _run(x, op, async_op)
+
+
+def ppermute(
+    x: torch.Tensor,
+    axis: Axis,
+    perm: Sequence[tuple[int, int]],
+    *,
+    mesh: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """Send ``x`` from index ``src`` to index ``dst`` along ``axis`` for each
+    ``(src, dst)`` in ``perm``; ranks that receive nothing get zeros.
+    Backward: the inverse permutation.
+
+    >>> import torch, shardax as sx
+    >>> sx.collectives.ppermute(torch.ones(2), "pp", [(0, 0)], mesh=sx.Mesh({"pp": 1}))
+    tensor([1., 1.])
+    """
+    group = _group(axis, mesh, "ppermute")
+    pairs = tuple((int(s), int(d)) for s, d in perm)
+    return _run(x, Permute(group, pairs), async_op)
+
+
+def broadcast(
+    x: torch.Tensor, axis: Axis, *, src: int = 0, mesh: Any = None, async_op: bool = False
+) -> Any:
+    """Every rank along ``axis`` gets the tensor of the rank at index ``src``
+    (all ranks pass a tensor of the same shape and dtype). Backward: the sum
+    of the cotangents, on ``src``.
+
+    >>> import torch, shardax as sx
+    >>> sx.collectives.broadcast(torch.ones(2), "dp", mesh=sx.Mesh({"dp": 1}))
+    tensor([1., 1.])
+    """
+    group = _group(axis, mesh, "broadcast")
+    if not 0 <= src < group.size:
+        raise CollectiveError(f"broadcast over {group.label}: src {src} is not in 0..{group.size - 1}")
+    return _run(x, Broadcast(group, src), async_op)
+
+
+# -- indices and synchronization -----------------------------------------------
+
+
+def axis_index(axis: Axis, *, mesh: Any = None) -> int:
+    """This rank's index along ``axis`` (a tuple: mixed radix, first major).
+
+    >>> import shardax as sx
+    >>> sx.collectives.axis_index("dp", mesh=sx.Mesh({"dp": 1}))
+    0
+    """
+    m = _resolve_mesh(mesh, "axis_index")
+    return m.axis_index(axis)
+
+
+def axis_size(axis: Axis, *, mesh: Any = None) -> int:
+    """Number of ranks along ``axis``.
+
+    >>> import shardax as sx
+    >>> sx.collectives.axis_size("dp", mesh=sx.Mesh({"dp": 1}))
+    1
+    """
+    return _resolve_mesh(mesh, "axis_size").size(axis)
+
+
+def barrier(axis: Axis | None = None, *, mesh: Any = None) -> None:
+    """Wait until every rank along ``axis`` (all axes when None) arrives.
+
+    >>> import shardax as sx
+    >>> sx.collectives.barrier(mesh=sx.Mesh({"dp": 1}))
+    """
+    from ._backend import start
+
+    group = _group(axis, mesh, "barrier")
+    if group.size > 1:
+        start(group, "barrier", lambda b: b.barrier(group), lambda: None).wait()

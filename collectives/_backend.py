@@ -1,0 +1,185 @@
+"""The backend interface: a handful of flat-buffer collectives in member order.
+
+A backend moves bytes; shapes, uneven sizes, padding and autograd live in
+``_ops``. Every backend passes the same conformance suite
+(:mod:`shardax.collectives.conformance`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import CollectiveError
+from ._group import Group, translate_error
+
+__all__ = ["Backend", "Handle", "Pending", "backend_names", "get_backend"]
+
+
+class Pending:
+    """Backend work in flight: objects with ``wait()``, then an optional fix-up."""
+
+    __slots__ = ("after", "works")
+
+    def __init__(self, works: Sequence[Any] = (), after: Callable[[], None] | None = None) -> None:
+        self.works = list(works)
+        self.after = after
+
+
+class Backend(Protocol):
+    """What a collective backend implements. Buffers are contiguous; member
+    ``i`` of ``group`` is ``group.members[i]``; every call returns at once with
+    a :class:`Pending`."""
+
+    name: str
+
+    def all_reduce(self, x: torch.Tensor, op: str, group: Group) -> Pending:
+        """In place: ``x`` ← reduction (``"sum"``, ``"max"``, ``"min"``) over members."""
+        ...
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
+        """``out`` (shape ``[n * x.shape[0], *x.shape[1:]]``) ← every member's ``x``
+        concatenated on dim 0, in member order."""
+        ...
+
+    def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
+        """``out`` ← sum over members of their ``x[index]`` (``x``: ``[n, *out.shape]``,
+        one row per member)."""
+        ...
+
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        out_splits: Sequence[int],
+        in_splits: Sequence[int],
+        group: Group,
+    ) -> Pending:
+        """1-D buffers: chunk ``j`` of ``x`` goes to member ``j``; chunk ``j`` of
+        ``out`` comes from member ``j`` (sizes in elements)."""
+        ...
+
+    def broadcast(self, x: torch.Tensor, root: int, group: Group) -> Pending:
+        """In place: ``x`` ← member ``root``'s ``x``."""
+        ...
+
+    def send_recv(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        group: Group,
+    ) -> Pending:
+        """Point to point, all at once: ``(member, tensor)`` pairs."""
+        ...
+
+    def barrier(self, group: Group) -> Pending:
+        """Every member arrives before any leaves."""
+        ...
+
+
+class Handle:
+    """A collective in flight. ``wait()`` finishes it and returns its result.
+
+    Errors (including timeouts) surface from ``wait()`` as
+    :class:`~shardax.errors.CollectiveError` naming the op, the axes and the
+    ranks.
+    """
+
+    __slots__ = ("_done", "_finish", "_group", "_op", "_pending", "_result", "_seq")
+
+    def __init__(
+        self,
+        group: Group | None,
+        op: str,
+        seq: int,
+        pending: Pending | None,
+        finish: Callable[[], Any],
+    ) -> None:
+        self._group, self._op, self._seq = group, op, seq
+        self._pending, self._finish = pending, finish
+        self._done = False
+        self._result: Any = None
+
+    @classmethod
+    def ready(cls, value: Any) -> Handle:
+        """A handle whose result is already known (local work, size-1 groups)."""
+        h = cls(None, "", 0, None, lambda: value)
+        return h
+
+    def wait(self) -> Any:
+        if not self._done:
+            if self._pending is not None:
+                for work in self._pending.works:
+                    try:
+                        work.wait()
+                    except Exception as err:
+                        assert self._group is not None
+                        raise translate_error(self._group, self._op, self._seq, err) from err
+                if self._pending.after is not None:
+                    self._pending.after()
+            self._result = self._finish()
+            self._done = True
+            self._pending = self._finish = None  # type: ignore[assignment]
+        return self._result
+
+
+def start(
+    group: Group,
+    op: str,
+    launch: Callable[[Backend], Pending],
+    finish: Callable[[], Any],
+) -> Handle:
+    """Issue one backend collective on ``group`` and return its handle."""
+    state = group.state
+    assert state is not None, "size-1 groups never reach a backend"
+    seq = state.seq
+    state.seq += 1
+    try:
+        pending = launch(get_backend())
+    except CollectiveError:
+        raise
+    except Exception as err:
+        raise translate_error(group, op, seq, err) from err
+    return Handle(group, op, seq, pending, finish)
+
+
+_BACKENDS: dict[str, Callable[[], Backend]] = {}
+
+
+def _torch() -> Backend:
+    from ._torch_backend import TORCH_BACKEND
+
+    return TORCH_BACKEND
+
+
+_BACKENDS["torch"] = _torch
+
+
+def backend_names() -> tuple[str, ...]:
+    """The backends this build knows.
+
+    >>> backend_names()
+    ('torch',)
+    """
+    return tuple(_BACKENDS)
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The backend named ``name``; None → ``SHARDAX_BACKEND`` or automatic
+    (``torch``: gloo on CPU, NCCL on GPU).
+
+    >>> get_backend().name
+    'torch'
+    """
+    name = name or os.environ.get("SHARDAX_BACKEND") or "auto"
+    if name == "auto":
+        name = "torch"
+    if name not in _BACKENDS:
+        raise CollectiveError(
+            f"unknown collective backend {name!r} (from SHARDAX_BACKEND or the argument); "
+            f"choose one of {backend_names()!r} or 'auto'"
+        )
+    return _BACKENDS[name]()

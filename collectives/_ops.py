@@ -1,0 +1,374 @@
+"""Collective ops as values, and their autograd transposes as one table.
+
+Each op is a frozen description of one collective over a :class:`Group` with
+every size it needs (uneven pieces included). ``op.start(x)`` issues it and
+returns a :class:`Handle`; ``transpose(op)`` is the op that backward runs.
+
+The gradient convention: a rank's backward computes contributions whose sum
+over the ranks is the gradient of the global objective. Under it each op's
+backward is the linear transpose of its forward on the local tensors:
+
+================  ==================================================
+forward           transpose
+================  ==================================================
+psum              psum
+pmean             pmean
+all_gather        psum_scatter (same pieces)
+psum_scatter      all_gather (same pieces)
+all_to_all        all_to_all with split and concat dims swapped
+ppermute          ppermute with the inverse permutation
+broadcast(root)   reduce(root): psum, kept on ``root`` only
+reduce(root)      broadcast(root)
+slice (my piece)  pad (my piece in zeros)
+pad               slice
+mask (index 0)    mask
+================  ==================================================
+
+In layout terms the cotangent of a replicated value is partial and the
+cotangent of a partial value is replicated, so a transfer's backward is the
+transfer between the dual layouts — which is why a replicated loss must be
+seeded on one rank (or scaled), never summed over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import attrs
+import torch
+
+from ..errors import CollectiveError
+from ._backend import Handle, start
+from ._group import Group
+
+__all__ = [
+    "AllGather",
+    "AllReduce",
+    "AllToAll",
+    "Broadcast",
+    "Mask",
+    "Op",
+    "Pad",
+    "Permute",
+    "Reduce",
+    "ReduceScatter",
+    "Slice",
+    "chunk_sizes",
+    "transpose",
+]
+
+
+def chunk_sizes(length: int, n: int) -> tuple[int, ...]:
+    """torch.chunk semantics, always ``n`` pieces: ceil-sized, later ones may be
+    smaller or empty.
+
+    >>> chunk_sizes(10, 4), chunk_sizes(5, 4), chunk_sizes(2, 4), chunk_sizes(0, 2)
+    ((3, 3, 3, 1), (2, 2, 1, 0), (1, 1, 0, 0), (0, 0))
+    """
+    c = -(-length // n) if length else 0
+    return tuple(max(0, min(c, length - i * c)) for i in range(n))
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def _check_len(op: str, group: Group, x: torch.Tensor, dim: int, expected: int) -> None:
+    if x.size(dim) != expected:
+        raise CollectiveError(
+            f"{op} over {group.label}: rank {group.rank} has length {x.size(dim)} along dim {dim} "
+            f"of its input {tuple(x.shape)}, expected {expected}"
+        )
+
+
+@attrs.frozen
+class Op:
+    """A collective over ``group``; subclasses say what it does."""
+
+    group: Group = attrs.field(eq=False)
+    name: ClassVar[str] = "op"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        raise NotImplementedError
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.start(x).wait()
+
+
+@attrs.frozen
+class AllReduce(Op):
+    reduce: str = "sum"  # sum | mean | max | min
+    name: ClassVar[str] = "psum"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        name = {"sum": "psum", "mean": "pmean", "max": "pmax", "min": "pmin"}[self.reduce]
+        if self.reduce == "mean" and not (x.is_floating_point() or x.is_complex()):
+            raise CollectiveError(f"pmean over {self.group.label} needs a floating dtype, got {x.dtype}")
+        if self.group.size == 1:
+            return Handle.ready(x)
+        buf = x.detach().contiguous().clone()
+        op = "sum" if self.reduce == "mean" else self.reduce
+        n = self.group.size
+
+        def finish() -> torch.Tensor:
+            return buf.div_(n) if self.reduce == "mean" else buf
+
+        return start(self.group, name, lambda b: b.all_reduce(buf, op, self.group), finish)
+
+
+@attrs.frozen
+class AllGather(Op):
+    """Concatenate every member's piece along ``dim``; ``sizes[i]`` is member
+    ``i``'s length along ``dim``."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    name: ClassVar[str] = "all_gather"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        g, n = self.group, self.group.size
+        _check_len("all_gather", g, x, self.dim, self.sizes[g.index])
+        if n == 1:
+            return Handle.ready(x)
+        m = max(self.sizes)
+        xt = x.detach().movedim(self.dim, 0)
+        if xt.size(0) < m:
+            xt = torch.cat([xt, xt.new_zeros((m - xt.size(0), *xt.shape[1:]))])
+        buf = xt.contiguous()
+        out = buf.new_empty((n * m, *buf.shape[1:]))
+        even = all(s == m for s in self.sizes)
+
+        def finish() -> torch.Tensor:
+            if even:
+                full = out
+            else:
+                rows = out.view(n, m, *buf.shape[1:])
+                full = torch.cat([rows[i, : self.sizes[i]] for i in range(n)])
+            return full.movedim(0, self.dim)
+
+        return start(g, "all_gather", lambda b: b.all_gather(out, buf, g), finish)
+
+
+@attrs.frozen
+class ReduceScatter(Op):
+    """Sum over members, then keep piece ``index`` of ``dim`` (pieces ``sizes``)."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    name: ClassVar[str] = "psum_scatter"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        g, n = self.group, self.group.size
+        _check_len("psum_scatter", g, x, self.dim, sum(self.sizes))
+        if n == 1:
+            return Handle.ready(x)
+        m = max(self.sizes)
+        xt = x.detach().movedim(self.dim, 0)
+        if all(s == m for s in self.sizes):
+            buf = xt.contiguous().view(n, m, *xt.shape[1:])
+        else:
+            buf = xt.new_zeros((n, m, *xt.shape[1:]))
+            for i, (o, s) in enumerate(zip(_offsets(self.sizes), self.sizes, strict=True)):
+                buf[i, :s] = xt[o : o + s]
+        out = buf.new_empty(buf.shape[1:])
+        mine = self.sizes[g.index]
+
+        def finish() -> torch.Tensor:
+            return out[:mine].movedim(0, self.dim)
+
+        return start(g, "psum_scatter", lambda b: b.reduce_scatter(out, buf, g), finish)
+
+
+@attrs.frozen
+class AllToAll(Op):
+    """Split ``split_dim`` into pieces ``split_sizes`` and send piece ``j`` to
+    member ``j``; concatenate what arrives along ``concat_dim``, where member
+    ``j``'s piece has length ``concat_sizes[j]``."""
+
+    split_dim: int
+    concat_dim: int
+    split_sizes: tuple[int, ...]
+    concat_sizes: tuple[int, ...]
+    name: ClassVar[str] = "all_to_all"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        g, n = self.group, self.group.size
+        if self.split_dim == self.concat_dim:
+            raise CollectiveError(
+                f"all_to_all over {g.label}: split_dim and concat_dim must differ (both {self.split_dim})"
+            )
+        _check_len("all_to_all", g, x, self.split_dim, sum(self.split_sizes))
+        _check_len("all_to_all", g, x, self.concat_dim, self.concat_sizes[g.index])
+        if n == 1:
+            return Handle.ready(x)
+        xd = x.detach()
+        pieces = torch.split(xd, list(self.split_sizes), dim=self.split_dim)
+        send = torch.cat([p.reshape(-1) for p in pieces])
+        shapes = []
+        for j in range(n):
+            shape = list(x.shape)
+            shape[self.split_dim] = self.split_sizes[g.index]
+            shape[self.concat_dim] = self.concat_sizes[j]
+            shapes.append(shape)
+        out_splits = [math.prod(s) for s in shapes]
+        in_splits = [p.numel() for p in pieces]
+        out = send.new_empty(sum(out_splits))
+
+        def finish() -> torch.Tensor:
+            parts = torch.split(out, out_splits)
+            return torch.cat(
+                [p.view(s) for p, s in zip(parts, shapes, strict=True)], dim=self.concat_dim
+            )
+
+        return start(
+            g, "all_to_all", lambda b: b.all_to_all(out, send, out_splits, in_splits, g), finish
+        )
+
+
+@attrs.frozen
+class Permute(Op):
+    """Member ``src`` sends to member ``dst`` for each ``(src, dst)`` pair;
+    members that receive nothing get zeros."""
+
+    perm: tuple[tuple[int, int], ...]
+    name: ClassVar[str] = "ppermute"
+
+    def __attrs_post_init__(self) -> None:
+        n = self.group.size
+        srcs = [s for s, _ in self.perm]
+        dsts = [d for _, d in self.perm]
+        bad = [p for p in self.perm if not (0 <= p[0] < n and 0 <= p[1] < n)]
+        if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+            raise CollectiveError(
+                f"ppermute over {self.group.label}: perm {list(self.perm)} must be (src, dst) pairs "
+                f"of member indices in 0..{n - 1}, each source and each destination at most once"
+            )
+
+    def start(self, x: torch.Tensor) -> Handle:
+        g = self.group
+        me = g.index
+        out = torch.zeros_like(x.detach(), memory_format=torch.contiguous_format)
+        sends = [(d, x.detach().contiguous()) for s, d in self.perm if s == me and d != me]
+        recvs = [(s, out) for s, d in self.perm if d == me and s != me]
+        if (me, me) in self.perm:
+            out.copy_(x.detach())
+        if not sends and not recvs:
+            return Handle.ready(out)
+        return start(g, "ppermute", lambda b: b.send_recv(sends, recvs, g), lambda: out)
+
+
+@attrs.frozen
+class Broadcast(Op):
+    """Every member gets member ``root``'s tensor."""
+
+    root: int = 0
+    name: ClassVar[str] = "broadcast"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        if self.group.size == 1:
+            return Handle.ready(x)
+        buf = x.detach().contiguous().clone()
+        return start(
+            self.group, "broadcast", lambda b: b.broadcast(buf, self.root, self.group), lambda: buf
+        )
+
+
+@attrs.frozen
+class Reduce(Op):
+    """Sum over members onto member ``root``; zeros elsewhere."""
+
+    root: int = 0
+    name: ClassVar[str] = "reduce"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        g = self.group
+        if g.size == 1:
+            return Handle.ready(x)
+        buf = x.detach().contiguous().clone()
+
+        def finish() -> torch.Tensor:
+            return buf if g.index == self.root else buf.zero_()
+
+        return start(g, "reduce", lambda b: b.all_reduce(buf, "sum", g), finish)
+
+
+@attrs.frozen
+class Slice(Op):
+    """Keep this member's piece of ``dim`` (pieces ``sizes``). Local."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    name: ClassVar[str] = "slice"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        g = self.group
+        _check_len("slice", g, x, self.dim, sum(self.sizes))
+        off = _offsets(self.sizes)[g.index]
+        return Handle.ready(x.narrow(self.dim, off, self.sizes[g.index]))
+
+
+@attrs.frozen
+class Pad(Op):
+    """Place this member's piece of ``dim`` into zeros of the full length. Local."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    name: ClassVar[str] = "pad"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        g = self.group
+        _check_len("pad", g, x, self.dim, self.sizes[g.index])
+        shape = list(x.shape)
+        shape[self.dim] = sum(self.sizes)
+        out = x.new_zeros(shape)
+        out.narrow(self.dim, _offsets(self.sizes)[g.index], x.size(self.dim)).copy_(x)
+        return Handle.ready(out)
+
+
+@attrs.frozen
+class Mask(Op):
+    """Keep the tensor on member 0, zeros elsewhere (replicated → partial). Local."""
+
+    name: ClassVar[str] = "mask"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        return Handle.ready(x if self.group.index == 0 else torch.zeros_like(x))
+
+
+def _inverse(perm: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((d, s) for s, d in perm)
+
+
+_TRANSPOSE = {
+    AllReduce: lambda op: op if op.reduce in ("sum", "mean") else None,
+    AllGather: lambda op: ReduceScatter(op.group, op.dim, op.sizes),
+    ReduceScatter: lambda op: AllGather(op.group, op.dim, op.sizes),
+    AllToAll: lambda op: AllToAll(
+        op.group, op.concat_dim, op.split_dim, op.concat_sizes, op.split_sizes
+    ),
+    Permute: lambda op: Permute(op.group, _inverse(op.perm)),
+    Broadcast: lambda op: Reduce(op.group, op.root),
+    Reduce: lambda op: Broadcast(op.group, op.root),
+    Slice: lambda op: Pad(op.group, op.dim, op.sizes),
+    Pad: lambda op: Slice(op.group, op.dim, op.sizes),
+    Mask: lambda op: op,
+}
+
+
+def transpose(op: Op) -> Op:
+    """The op whose forward is the linear transpose of ``op``'s (the table above).
+
+    Raises:
+        CollectiveError: for ops that are not linear (pmax, pmin).
+    """
+    rule = _TRANSPOSE.get(type(op))
+    result = rule(op) if rule is not None else getattr(op, "transpose", lambda: None)()
+    if result is None:
+        raise CollectiveError(f"{op.name} is not linear and has no transpose")
+    return result

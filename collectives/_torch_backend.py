@@ -1,0 +1,122 @@
+"""The torch.distributed backend: gloo on CPU, NCCL on GPU.
+
+gloo lacks a real reduce-scatter (torch emulates it with a full all-reduce
+plus a copy), so on gloo ``reduce_scatter`` is an ``all_to_all_single``
+followed by a local sum — each rank receives only its own slice from every
+peer, half the bytes of an all-reduce — accumulated in float32 for 16-bit
+floats. gloo's ``all_gather`` needs equal sizes: ``_ops`` pads uneven pieces.
+Member order differing from torch's group-rank order (axes named out of mesh
+order) is handled here by permuting chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._backend import Pending
+from ._group import Group
+
+__all__ = ["TORCH_BACKEND", "TorchBackend"]
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _member_rows(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Rows of ``t`` (indexed by member) reordered into torch group-rank order."""
+    order = [group.member_of_torch_rank(r) for r in range(group.size)]
+    return t[order]
+
+
+class TorchBackend:
+    """Collectives through ``torch.distributed`` process groups."""
+
+    name = "torch"
+
+    def all_reduce(self, x: torch.Tensor, op: str, group: Group) -> Pending:
+        work = dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg, async_op=True)
+        return Pending([work])
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
+        if group.in_torch_order:
+            return Pending([dist.all_gather_single(out, x, group=group.pg, async_op=True)])
+        tmp = torch.empty_like(out)
+        work = dist.all_gather_single(tmp, x, group=group.pg, async_op=True)
+
+        def after() -> None:
+            rows, tmp_rows = out.view(group.size, -1), tmp.view(group.size, -1)
+            rows.copy_(tmp_rows[[group.torch_rank(i) for i in range(group.size)]])
+
+        return Pending([work], after)
+
+    def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
+        if not group.in_torch_order:
+            x = _member_rows(x, group)
+        if _backend_name(group) != "gloo":
+            work = dist.reduce_scatter_single(out, x, group=group.pg, async_op=True)
+            return Pending([work])
+        recv = torch.empty_like(x)
+        work = dist.all_to_all_single(recv, x, group=group.pg, async_op=True)
+
+        def after() -> None:
+            if recv.dtype in (torch.float16, torch.bfloat16):
+                out.copy_(recv.float().sum(dim=0))
+            else:
+                torch.sum(recv, dim=0, out=out)
+
+        return Pending([work], after)
+
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        out_splits: Sequence[int],
+        in_splits: Sequence[int],
+        group: Group,
+    ) -> Pending:
+        if group.in_torch_order:
+            work = dist.all_to_all_single(
+                out, x, list(out_splits), list(in_splits), group=group.pg, async_op=True
+            )
+            return Pending([work])
+        # Reorder chunks into torch group-rank order, and back on arrival.
+        torder = [group.member_of_torch_rank(r) for r in range(group.size)]
+        in_chunks = list(torch.split(x, list(in_splits)))
+        x_t = torch.cat([in_chunks[m] for m in torder])
+        out_t = torch.empty_like(out)
+        out_sizes_t = [out_splits[m] for m in torder]
+        work = dist.all_to_all_single(
+            out_t, x_t, out_sizes_t, [in_splits[m] for m in torder], group=group.pg, async_op=True
+        )
+
+        def after() -> None:
+            chunks = dict(zip(torder, torch.split(out_t, out_sizes_t), strict=True))
+            out.copy_(torch.cat([chunks[m] for m in range(group.size)]))
+
+        return Pending([work], after)
+
+    def broadcast(self, x: torch.Tensor, root: int, group: Group) -> Pending:
+        work = dist.broadcast(x, src=group.members[root], group=group.pg, async_op=True)
+        return Pending([work])
+
+    def send_recv(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        group: Group,
+    ) -> Pending:
+        ops = [dist.P2POp(dist.isend, t, group.members[m], group=group.pg) for m, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group.members[m], group=group.pg) for m, t in recvs]
+        return Pending(dist.batch_isend_irecv(ops) if ops else [])
+
+    def barrier(self, group: Group) -> Pending:
+        return Pending([dist.barrier(group=group.pg, async_op=True)])
+
+
+def _backend_name(group: Group) -> str:
+    return str(dist.get_backend(group.pg))
+
+
+TORCH_BACKEND = TorchBackend()

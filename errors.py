@@ -1,0 +1,48 @@
+"""The typed errors shardax raises.
+
+Every error names what was wrong (the key path, shape, spec, mesh, rank or
+collective), and how to fix it. None of them is raised by ``assert``.
+
+>>> import shardax as sx
+>>> try:
+...     sx.AbstractMesh({"dp": 0})
+... except sx.MeshError as e:
+...     print(type(e).__name__)
+MeshError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "LaunchError",
+    "MeshError",
+    "ShardingError",
+]
+
+
+class ShardingError(ValueError):
+    """A spec, layout or rule that does not fit a tensor or a mesh."""
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built: bad axis names or sizes, or sizes that do
+    not multiply to the world size."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective that cannot run as asked (bad arguments, a backend that
+    lacks the op, a process group that failed)."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective that did not complete within the timeout.
+
+    The message names the op, the mesh axes, the ranks of the group, and which
+    of them did not arrive.
+    """
+
+
+class LaunchError(RuntimeError):
+    """``shardax launch`` could not start or supervise the ranks."""

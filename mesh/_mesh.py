@@ -1,0 +1,287 @@
+"""Meshes: named axes over a grid of global ranks.
+
+The rank grid is ``arange(world).reshape(sizes)``: the last axis varies
+fastest, so keep the axis that talks most (``tp``) last, where its ranks are
+neighbours on one node.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from ..errors import MeshError
+from . import _context
+
+if TYPE_CHECKING:
+    from ..collectives._group import Group
+
+__all__ = ["AbstractMesh", "Mesh", "current_mesh", "normalize_axes"]
+
+Axes = str | tuple[str, ...]
+
+
+def normalize_axes(axes: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Axis names as a tuple: ``"dp"`` → ``("dp",)``, ``None`` → ``()``.
+
+    >>> normalize_axes("dp"), normalize_axes(("dp", "tp")), normalize_axes(None)
+    (('dp',), ('dp', 'tp'), ())
+    """
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+def _validate_shape(shape: Any, world: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    if not isinstance(shape, Mapping) or not shape:
+        raise MeshError(
+            f"a mesh is a non-empty mapping of axis names to sizes, like {{'dp': 2, 'tp': 2}}; got {shape!r}"
+        )
+    names, sizes = tuple(shape.keys()), list(shape.values())
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise MeshError(
+                f"mesh axis names must be identifiers like 'dp'; got {name!r} in {dict(shape)!r}"
+            )
+    for name, size in zip(names, sizes, strict=True):
+        if not isinstance(size, int | np.integer) or isinstance(size, bool):
+            raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes are ints in {dict(shape)!r}")
+        if size == 0 or size < -1:
+            raise MeshError(
+                f"mesh axis {name!r} has size {size}; sizes are positive "
+                f"(or one -1 for 'what the world size leaves') in {dict(shape)!r}"
+            )
+    inferred = [i for i, s in enumerate(sizes) if s == -1]
+    if len(inferred) > 1:
+        raise MeshError(f"at most one mesh axis may have size -1; got {dict(shape)!r}")
+    if inferred:
+        if world is None:
+            raise MeshError(
+                f"an AbstractMesh has no world size to infer -1 from; give every size in {dict(shape)!r}"
+            )
+        rest = math.prod(s for s in sizes if s != -1)
+        if world % rest:
+            raise MeshError(
+                f"mesh {dict(shape)!r} cannot fit world size {world}: the other axes multiply to "
+                f"{rest}, which does not divide {world}"
+            )
+        sizes[inferred[0]] = world // rest
+    if world is not None and math.prod(sizes) != world:
+        raise MeshError(
+            f"mesh {dict(zip(names, sizes, strict=True))!r} has {math.prod(sizes)} ranks but the "
+            f"world size is {world}; make the sizes multiply to {world} (or use -1 for one axis)"
+        )
+    return names, tuple(int(s) for s in sizes)
+
+
+@attrs.frozen(init=False, repr=False)
+class AbstractMesh:
+    """Axis names and sizes, no processes: what planning, ``explain``, offline
+    resharding and unit tests use.
+
+    Args:
+        shape: axis name → size, in grid order (the last axis varies fastest).
+
+    >>> mesh = AbstractMesh({"dp": 4, "tp": 2})
+    >>> mesh
+    AbstractMesh({'dp': 4, 'tp': 2})
+    >>> mesh.size(), mesh.size("tp"), mesh.coords(5)
+    (8, 2, {'dp': 2, 'tp': 1})
+    >>> mesh.ranks_along("dp", rank=5)
+    (1, 3, 5, 7)
+    """
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+
+    def __init__(self, shape: Mapping[str, int]) -> None:
+        names, sizes = _validate_shape(shape, world=None)
+        self.__attrs_init__(names, sizes)
+
+    # -- shape ---------------------------------------------------------------
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name → size (a fresh dict)."""
+        return dict(zip(self.axis_names, self.axis_sizes, strict=True))
+
+    @property
+    def abstract(self) -> AbstractMesh:
+        """The mesh without processes."""
+        return AbstractMesh(self.shape)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the mesh."""
+        return math.prod(self.axis_sizes)
+
+    def __contains__(self, axis: object) -> bool:
+        return axis in self.axis_names
+
+    def check_axes(self, axes: str | Iterable[str] | None, *, what: str = "axes") -> tuple[str, ...]:
+        """Normalize ``axes`` and check each names an axis of this mesh, once.
+
+        >>> AbstractMesh({"dp": 2}).check_axes("dq")
+        Traceback (most recent call last):
+        ...
+        shardax.errors.MeshError: unknown mesh axis 'dq' in axes ('dq',); the mesh AbstractMesh({'dp': 2}) has axes ('dp',) (did you mean 'dp'?)
+        """
+        names = normalize_axes(axes)
+        for name in names:
+            if name not in self.axis_names:
+                hint = difflib.get_close_matches(str(name), self.axis_names, n=1, cutoff=0.5)
+                raise MeshError(
+                    f"unknown mesh axis {name!r} in {what} {names!r}; the mesh {self!r} has axes "
+                    f"{self.axis_names!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                )
+        if len(set(names)) != len(names):
+            raise MeshError(f"mesh axis repeated in {what} {names!r} of mesh {self!r}")
+        return names
+
+    def size(self, axes: str | Iterable[str] | None = None) -> int:
+        """Number of ranks along ``axes`` (all axes when None)."""
+        if axes is None:
+            return self.world_size
+        return math.prod(self.axis_sizes[self.axis_names.index(a)] for a in self.check_axes(axes))
+
+    @property
+    def rank_grid(self) -> np.ndarray:
+        """``arange(world).reshape(sizes)``."""
+        return np.arange(self.world_size).reshape(self.axis_sizes)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinates of ``rank`` on each axis."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is not in mesh {self!r} (ranks 0..{self.world_size - 1})")
+        idx = np.unravel_index(rank, self.axis_sizes)
+        return {a: int(i) for a, i in zip(self.axis_names, idx, strict=True)}
+
+    def axis_index(self, axes: str | Iterable[str], rank: int) -> int:
+        """Index of ``rank`` along ``axes`` (mixed radix, first axis major)."""
+        names = self.check_axes(axes)
+        c = self.coords(rank)
+        index = 0
+        for a in names:
+            index = index * self.axis_sizes[self.axis_names.index(a)] + c[a]
+        return index
+
+    def ranks_along(self, axes: str | Iterable[str], rank: int) -> tuple[int, ...]:
+        """The ranks that differ from ``rank`` only along ``axes``, in member
+        order (mixed radix over ``axes``, first axis major)."""
+        names = self.check_axes(axes)
+        c = self.coords(rank)
+        grid = self.rank_grid
+        index = tuple(slice(None) if a in names else c[a] for a in self.axis_names)
+        sub = grid[index]  # remaining dims are the named axes, in mesh order
+        kept = [a for a in self.axis_names if a in names]
+        sub = np.transpose(sub, [kept.index(a) for a in names])
+        return tuple(int(r) for r in sub.reshape(-1))
+
+    def groups_along(self, axes: str | Iterable[str]) -> tuple[tuple[int, ...], ...]:
+        """Every group of ranks along ``axes`` (the partition of the world),
+        each in member order, ordered by their first rank."""
+        names = self.check_axes(axes)
+        seen: set[int] = set()
+        out = []
+        for r in range(self.world_size):
+            if r not in seen:
+                g = self.ranks_along(names, r)
+                seen.update(g)
+                out.append(g)
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.shape!r})"
+
+
+@attrs.frozen(init=False, repr=False)
+class Mesh(AbstractMesh):
+    """A mesh over the live ranks of this job.
+
+    Build it on every rank, after :func:`shardax.init` (world size 1 needs no
+    init). One axis may be ``-1``: it takes what the world size leaves. The
+    process groups for each set of axes are created on first use, by every
+    rank, in the same order, and cached (meshes that are views of the same
+    ranks share them).
+
+    Args:
+        shape: axis name → size, in grid order (last axis fastest).
+        timeout: seconds a collective on this mesh may wait before it raises
+            :class:`~shardax.errors.CollectiveTimeoutError`; None → the
+            timeout given to :func:`shardax.init`.
+
+    >>> mesh = Mesh({"dp": -1})          # world size 1 here
+    >>> mesh, mesh.rank, mesh.axis_index("dp")
+    (Mesh({'dp': 1}), 0, 0)
+    >>> with mesh:
+    ...     current_mesh() is mesh
+    True
+    """
+
+    timeout: float | None = attrs.field(eq=False)
+    rank: int = attrs.field(eq=False)
+
+    def __init__(self, shape: Mapping[str, int], *, timeout: float | None = None) -> None:
+        rank, world = _process_rank_and_world()
+        names, sizes = _validate_shape(shape, world=world)
+        if timeout is not None and not timeout > 0:
+            raise MeshError(f"timeout must be positive seconds; got {timeout!r}")
+        self.__attrs_init__(names, sizes, timeout, rank)
+
+    def axis_index(self, axes: str | Iterable[str], rank: int | None = None) -> int:  # type: ignore[override]
+        """This rank's index along ``axes`` (mixed radix, first axis major)."""
+        return super().axis_index(axes, self.rank if rank is None else rank)
+
+    def ranks_along(self, axes: str | Iterable[str], rank: int | None = None) -> tuple[int, ...]:  # type: ignore[override]
+        """The ranks of this rank's group along ``axes``, in member order."""
+        return super().ranks_along(axes, self.rank if rank is None else rank)
+
+    def view(self, shape: Mapping[str, int]) -> Mesh:
+        """Another named view of the same ranks (e.g. an expert ``ep`` view of a
+        dense ``dp×tp`` mesh); its groups are shared with other views."""
+        return Mesh(shape, timeout=self.timeout)
+
+    def group(self, axes: str | Iterable[str]) -> Group:
+        """The collective group of this rank along ``axes`` (created on first
+        use, collectively: every rank must ask for the same axes in the same
+        order, as SPMD code does)."""
+        from ._groups import group_along
+
+        return group_along(self, self.check_axes(axes))
+
+    def __enter__(self) -> Mesh:
+        _context.push(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _context.pop()
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh of the innermost ``with mesh:`` block, or None."""
+    return _context.current()
+
+
+_LAUNCH_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def _process_rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    for var in _LAUNCH_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            raise MeshError(
+                f"this process was launched as one of {value} ranks ({var}={value}) but "
+                "torch.distributed is not initialized; call shardax.init() before building a Mesh"
+            )
+    return 0, 1

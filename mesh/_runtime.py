@@ -1,0 +1,245 @@
+"""Joining the job: read the launcher's environment, pick device and backend,
+initialize torch.distributed; and leaving it."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from datetime import timedelta
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ..errors import LaunchError
+
+__all__ = ["DEFAULT_TIMEOUT", "LaunchEnv", "ProcessInfo", "detect_env", "init", "shutdown"]
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a collective may wait before it raises (override: ``SHARDAX_TIMEOUT``)."""
+
+
+@attrs.frozen(kw_only=True)
+class LaunchEnv:
+    """Where this process sits in the job, as its launcher described it.
+
+    >>> detect_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+    ...             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"})
+    LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr='10.0.0.1', master_port=29400, source='torchrun')
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+
+
+@attrs.frozen(kw_only=True)
+class ProcessInfo:
+    """What :func:`init` set up for this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+    source: str
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise LaunchError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: ``node[003-005,9],gpu1`` → ``node003``.
+
+    >>> _first_slurm_host("node[003-005,9],gpu1"), _first_slurm_host("gpu7,gpu8")
+    ('node003', 'gpu7')
+    """
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise LaunchError(f"cannot read the Slurm nodelist {nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _local_world_from_slurm(env: Mapping[str, str], world: int) -> int:
+    # SLURM_STEP_TASKS_PER_NODE looks like "4(x2),3"; take this node's share when uniform.
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    m = re.match(r"(\d+)", spec)
+    return int(m.group(1)) if m else world
+
+
+def detect_env(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """Read the launch environment: ``shardax launch``/torchrun (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), OpenMPI
+    (``OMPI_COMM_WORLD_*``) or a Slurm step (``SLURM_PROCID``, …). None when
+    the process was started on its own.
+
+    >>> detect_env({}) is None
+    True
+    >>> detect_env({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_ID": "0",
+    ...             "SLURM_LOCALID": "3", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+    ...             "SLURM_STEP_NODELIST": "gpu[12-13]", "SLURM_JOB_ID": "4242"})
+    LaunchEnv(rank=3, world_size=8, local_rank=3, local_world_size=4, master_addr='gpu12', master_port=14242, source='slurm')
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE")
+        return LaunchEnv(
+            rank=_int(env, "RANK"),
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
+            source="shardax launch" if env.get("SHARDAX_LAUNCHED") == "1" else "torchrun",
+        )
+    if "OMPI_COMM_WORLD_RANK" in env:
+        if "MASTER_ADDR" not in env:
+            raise LaunchError(
+                "running under mpirun (OMPI_COMM_WORLD_RANK is set) but MASTER_ADDR is not: "
+                "export it to every rank, e.g. `mpirun -x MASTER_ADDR=$(hostname) ...`"
+            )
+        world = _int(env, "OMPI_COMM_WORLD_SIZE")
+        return LaunchEnv(
+            rank=_int(env, "OMPI_COMM_WORLD_RANK"),
+            world_size=world,
+            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+            local_world_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+            if "OMPI_COMM_WORLD_LOCAL_SIZE" in env
+            else world,
+            master_addr=env["MASTER_ADDR"],
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
+            source="openmpi",
+        )
+    # Only inside an srun step (not a batch script, which also has SLURM_PROCID).
+    if "SLURM_PROCID" in env and env.get("SLURM_STEP_ID", "batch").isdigit():
+        world = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+        if "MASTER_ADDR" in env:
+            addr = env["MASTER_ADDR"]
+        elif nodelist:
+            addr = _first_slurm_host(nodelist)
+        else:
+            raise LaunchError("inside a Slurm step without SLURM_STEP_NODELIST: set MASTER_ADDR")
+        job = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+        return LaunchEnv(
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=world,
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_world_size=_local_world_from_slurm(env, world),
+            master_addr=addr,
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 10000 + job % 20000,
+            source="slurm",
+        )
+    return None
+
+
+def _timeout_seconds(timeout: float | None) -> float:
+    if timeout is None:
+        raw = os.environ.get("SHARDAX_TIMEOUT")
+        if raw is None:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise LaunchError(f"SHARDAX_TIMEOUT={raw!r} is not a number of seconds") from None
+    if not timeout > 0:
+        raise LaunchError(f"timeout must be positive seconds; got {timeout!r}")
+    return float(timeout)
+
+
+def init(backend: str | None = None, *, timeout: float | None = None) -> ProcessInfo:
+    """Join the job this process was launched into.
+
+    Reads the environment of ``shardax launch``, torchrun, Slurm (``srun``) or
+    OpenMPI (``mpirun``); picks the device (``cuda:LOCAL_RANK`` when CUDA is
+    present, else CPU) and the backend (NCCL on GPU, gloo on CPU) unless
+    ``backend`` says otherwise; initializes torch.distributed. With no launch
+    environment this is world size 1 and no process group is created. Adopts
+    an already initialized torch.distributed. Safe to call twice.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; None picks by device.
+        timeout: seconds before a collective that cannot complete raises;
+            None → ``SHARDAX_TIMEOUT`` or 600.
+
+    >>> info = init()
+    >>> info.world_size, info.rank, info.device.type
+    (1, 0, 'cpu')
+    """
+    seconds = _timeout_seconds(timeout)
+    if dist.is_available() and dist.is_initialized():
+        env = detect_env()
+        local_rank = env.local_rank if env else 0
+        name = dist.get_backend()
+        device = _device(name, local_rank)
+        return ProcessInfo(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=local_rank,
+            local_world_size=env.local_world_size if env else 1,
+            device=device,
+            backend=name,
+            source="existing",
+        )
+    env = detect_env()
+    if env is None:
+        return ProcessInfo(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            local_world_size=1,
+            device=_device(backend, 0),
+            backend=None,
+            source="none",
+        )
+    if not 0 <= env.rank < env.world_size:
+        raise LaunchError(f"rank {env.rank} is outside world size {env.world_size} ({env.source})")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = _device(backend, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=seconds),
+    )
+    return ProcessInfo(
+        rank=env.rank,
+        world_size=env.world_size,
+        local_rank=env.local_rank,
+        local_world_size=env.local_world_size,
+        device=device,
+        backend=backend,
+        source=env.source,
+    )
+
+
+def _device(backend: str | None, local_rank: int) -> torch.device:
+    if backend in (None, "nccl") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process groups. Safe to call when not initialized.
+
+    >>> shutdown()
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

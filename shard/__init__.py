@@ -1,0 +1,47 @@
+"""Specs, layouts, ``Sharded`` pytrees and the one relayout planner.
+
+``P``/``PartitionSpec`` and ``NamedSharding`` say which mesh axes split which
+dims; a ``Layout`` adds the axes over which values are pending sums;
+``Sharded`` is a pytree leaf holding this rank's piece. ``transfer`` moves a
+value between layouts with the collectives ``plan_transfer`` picks; ``shard``,
+``gather`` and ``reshard`` apply it over pytrees; ``Rule``/``Rules`` map key
+paths to specs; ``explain`` prints the plan.
+"""
+
+from ._api import gather as gather
+from ._api import layouts_for as layouts_for
+from ._api import reshard as reshard
+from ._api import shard as shard
+from ._explain import Explanation as Explanation
+from ._explain import explain as explain
+from ._layout import Layout as Layout
+from ._plan import Plan as Plan
+from ._plan import Step as Step
+from ._plan import plan_transfer as plan_transfer
+from ._rules import Rule as Rule
+from ._rules import Rules as Rules
+from ._sharded import Sharded as Sharded
+from ._spec import NamedSharding as NamedSharding
+from ._spec import P as P
+from ._spec import PartitionSpec as PartitionSpec
+from ._transfer import transfer as transfer
+
+__all__ = [
+    "Explanation",
+    "Layout",
+    "NamedSharding",
+    "P",
+    "PartitionSpec",
+    "Plan",
+    "Rule",
+    "Rules",
+    "Sharded",
+    "Step",
+    "explain",
+    "gather",
+    "layouts_for",
+    "plan_transfer",
+    "reshard",
+    "shard",
+    "transfer",
+]

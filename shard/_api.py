@@ -1,0 +1,187 @@
+"""``shard``, ``gather``, ``reshard``: pytrees of dense tensors ↔ pytrees of
+``Sharded`` leaves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from .._tree import flatten_with_paths
+from ..errors import ShardingError
+from ..mesh._mesh import AbstractMesh, Mesh
+from ._layout import Layout
+from ._rules import Rule, Rules, fit_spec
+from ._sharded import Sharded
+from ._spec import NamedSharding, P, PartitionSpec
+from ._transfer import transfer
+
+__all__ = ["gather", "layouts_for", "reshard", "shard"]
+
+_TARGETS = (PartitionSpec, Layout, NamedSharding)
+
+
+def _is_target(x: Any) -> bool:
+    return x is None or isinstance(x, _TARGETS)
+
+
+def _leaf_layout(
+    target: Any, path: str, shape: tuple[int, ...], mesh: AbstractMesh, rules: Rules | None
+) -> Layout:
+    if rules is not None:
+        return Layout(mesh, rules.spec_for(path, shape, mesh))
+    if target is None:
+        return Layout(mesh, P())
+    if isinstance(target, PartitionSpec):
+        spec = P() if len(shape) == 0 else fit_spec(target, shape, mesh, path=path)
+        return Layout(mesh, spec)
+    layout = target if isinstance(target, Layout) else Layout(target)
+    fit_spec(layout.spec, shape, layout.mesh, path=path)
+    return layout
+
+
+def layouts_for(
+    tree: Any, mesh: AbstractMesh, specs: Any
+) -> tuple[list[str], list[Any], Any, list[Layout | None]]:
+    """``(paths, leaves, treespec, layouts)``: the layout each tensor leaf of
+    ``tree`` gets (None for leaves that are not tensors).
+
+    ``specs`` is a :class:`Rule`/:class:`Rules`, one spec/layout for every
+    leaf, or a pytree of specs shaped like ``tree`` (or a prefix of it; None
+    means replicated). Leaves may be tensors (meta ones too) or ``Sharded``.
+    """
+    is_leaf = lambda x: isinstance(x, Sharded)  # noqa: E731
+    paths, leaves, treespec = flatten_with_paths(tree, is_leaf=is_leaf, none_is_leaf=True)
+    rules = None
+    if isinstance(specs, Rule):
+        rules = Rules(specs)
+    elif isinstance(specs, Rules):
+        rules = specs
+    if rules is not None:
+        if rules.strict:
+            tensor_paths = [p for p, x in zip(paths, leaves, strict=True) if _shape(x) not in (None, ())]
+            missing = rules.unmatched(tensor_paths)
+            if missing:
+                raise ShardingError(
+                    f"no rule matches {len(missing)} leaves and the rules are strict: "
+                    + ", ".join(repr(p) for p in missing)
+                    + "; add rules for them (or Rule('.*', P()) last to replicate the rest)"
+                )
+        targets: list[Any] = [None] * len(leaves)
+    elif _is_target(specs):
+        targets = [specs] * len(leaves)
+    else:
+        try:
+            full = optree.tree_broadcast_prefix(specs, tree, is_leaf=_is_target, none_is_leaf=True)
+        except ValueError as err:
+            raise ShardingError(
+                f"the specs tree does not match the tree's structure ({err}); give one spec, rules, "
+                "or a tree of specs shaped like the values"
+            ) from None
+        targets = optree.tree_leaves(full, is_leaf=_is_target, none_is_leaf=True)
+    layouts: list[Layout | None] = []
+    for path, leaf, target in zip(paths, leaves, targets, strict=True):
+        shape = _shape(leaf)
+        layouts.append(None if shape is None else _leaf_layout(target, path, shape, mesh, rules))
+    return paths, leaves, treespec, layouts
+
+
+def _shape(x: Any) -> tuple[int, ...] | None:
+    if isinstance(x, Sharded):
+        return x.shape
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape)
+    return None
+
+
+def shard(tree: Any, mesh: Mesh, specs: Any, *, src: int | None = None) -> Any:
+    """Turn a pytree of dense tensors into a pytree of :class:`Sharded` leaves.
+
+    Every rank passes the full tensors and keeps its own piece (no
+    communication); or, with ``src=r``, only rank ``r``'s values count and are
+    broadcast (the others pass tensors of the same shapes and dtypes, e.g.
+    ``torch.empty``). Leaves that are not tensors are left as they are.
+
+    Args:
+        tree: a pytree of tensors (or a single tensor).
+        mesh: the live mesh.
+        specs: rules (:class:`Rule`/:class:`Rules`), one spec for every leaf,
+            or a pytree of specs shaped like ``tree``.
+        src: the rank whose values count, or None when all ranks hold them.
+
+    >>> import torch, shardax as sx
+    >>> mesh = sx.Mesh({"dp": 1})
+    >>> params = {"w": torch.ones(4, 2), "b": torch.zeros(2)}
+    >>> sx.shard(params, mesh, sx.Rule(r"w", sx.P("dp")))["w"].spec
+    P('dp')
+    """
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"shard needs a live Mesh; got {mesh!r} (explain() plans on AbstractMesh)")
+    _, leaves, treespec, layouts = layouts_for(tree, mesh, specs)
+    out = []
+    for leaf, layout in zip(leaves, layouts, strict=True):
+        if layout is None or isinstance(leaf, Sharded):
+            out.append(leaf if layout is None else transfer(leaf, layout))
+            continue
+        out.append(_shard_one(leaf, mesh, layout, src))
+    return optree.tree_unflatten(treespec, out)
+
+
+def _shard_one(x: torch.Tensor, mesh: Mesh, layout: Layout, src: int | None) -> Sharded:
+    from ..collectives._api import broadcast
+
+    if src is not None:
+        if not 0 <= src < mesh.world_size:
+            raise ShardingError(f"src rank {src} is not in {mesh!r}")
+        x = broadcast(x, mesh.axis_names, src=src, mesh=mesh)
+    full = Sharded(x, Layout(mesh), tuple(x.shape))
+    local = transfer(full, layout).local
+    if local.numel() and x.numel() and local.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        local = local.clone()  # do not keep the whole tensor alive through a view
+    return Sharded(local, layout, tuple(x.shape))
+
+
+def gather(tree: Any) -> Any:
+    """Turn every :class:`Sharded` leaf back into the dense tensor, on every
+    rank (exact, uneven dims included; partial values summed). Other leaves
+    are left as they are. Differentiable.
+
+    >>> import torch, shardax as sx
+    >>> x = sx.shard(torch.arange(5.0), sx.Mesh({"dp": 1}), sx.P("dp"))
+    >>> sx.gather({"x": x})
+    {'x': tensor([0., 1., 2., 3., 4.])}
+    """
+    return optree.tree_map(
+        lambda x: transfer(x, Layout(x.mesh)).local if isinstance(x, Sharded) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, Sharded),
+    )
+
+
+def reshard(tree: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
+    """Move every :class:`Sharded` leaf to a new layout: ``specs`` as in
+    :func:`shard`, on ``mesh`` (default: each leaf's own mesh). Other leaves
+    are left as they are.
+
+    >>> import torch, shardax as sx
+    >>> mesh = sx.Mesh({"dp": 1})
+    >>> x = sx.shard(torch.ones(2, 2), mesh, sx.P("dp"))
+    >>> sx.reshard(x, sx.P(None, "dp")).spec
+    P(None, 'dp')
+    """
+    leaves = optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharded))
+    meshes = {x.mesh for x in leaves if isinstance(x, Sharded)}
+    target_mesh = mesh if mesh is not None else (meshes.pop() if len(meshes) == 1 else None)
+    if target_mesh is None:
+        if not meshes:
+            return tree
+        raise ShardingError(
+            f"the tree's Sharded leaves live on several meshes {sorted(map(repr, meshes))}; pass mesh="
+        )
+    _, leaves, treespec, layouts = layouts_for(tree, target_mesh, specs)
+    out = [
+        transfer(x, layout) if isinstance(x, Sharded) and layout is not None else x
+        for x, layout in zip(leaves, layouts, strict=True)
+    ]
+    return optree.tree_unflatten(treespec, out)

@@ -1,0 +1,114 @@
+"""Layouts: a named sharding plus the mesh axes over which values are still
+partial sums."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from ..errors import ShardingError
+from ..mesh._mesh import AbstractMesh, normalize_axes
+from ._spec import NamedSharding, P, PartitionSpec, as_spec
+
+__all__ = ["Layout", "as_layout"]
+
+
+@attrs.frozen(init=False, repr=False)
+class Layout:
+    """Where a tensor's values live: each dim's mesh axes (the sharding), and
+    the axes over which the local values are pending sums (``partial``). Every
+    other axis holds identical replicas.
+
+    Args:
+        mesh_or_sharding: a mesh (then ``spec`` gives the sharding) or a
+            :class:`NamedSharding`.
+        spec: the partition spec (default: replicated).
+        partial: axes over which the global value is the sum of the ranks'
+            local values.
+
+    >>> from shardax import AbstractMesh
+    >>> mesh = AbstractMesh({"x": 2, "y": 2})
+    >>> Layout(mesh, P("x"), partial="y")
+    Layout(AbstractMesh({'x': 2, 'y': 2}), P('x'), partial=('y',))
+    >>> Layout(mesh, P("x"), partial="y").dual()
+    Layout(AbstractMesh({'x': 2, 'y': 2}), P('x'))
+    >>> Layout(mesh, P("x"), partial="x")
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ShardingError: axis 'x' cannot both split a dim and be partial in P('x') with partial=('x',) on AbstractMesh({'x': 2, 'y': 2})
+    """
+
+    sharding: NamedSharding
+    partial: tuple[str, ...]
+
+    def __init__(
+        self,
+        mesh_or_sharding: AbstractMesh | NamedSharding,
+        spec: PartitionSpec | Sequence[Any] | None = None,
+        *,
+        partial: str | Iterable[str] = (),
+    ) -> None:
+        if isinstance(mesh_or_sharding, NamedSharding):
+            if spec is not None:
+                raise ShardingError("give either a NamedSharding or a mesh and a spec, not both")
+            sharding = mesh_or_sharding
+        else:
+            sharding = NamedSharding(mesh_or_sharding, as_spec(spec) if spec is not None else P())
+        mesh = sharding.mesh
+        names = normalize_axes(partial)
+        for axis in names:
+            if axis not in mesh.axis_names:
+                raise ShardingError(
+                    f"partial axis {axis!r} is not an axis of {mesh!r} (its axes: {mesh.axis_names!r})"
+                )
+            if axis in sharding.spec.axes:
+                raise ShardingError(
+                    f"axis {axis!r} cannot both split a dim and be partial in {sharding.spec!r} "
+                    f"with partial={names!r} on {mesh!r}"
+                )
+        ordered = tuple(a for a in mesh.axis_names if a in names)
+        self.__attrs_init__(sharding, ordered)
+
+    @property
+    def mesh(self) -> AbstractMesh:
+        return self.sharding.mesh
+
+    @property
+    def spec(self) -> PartitionSpec:
+        return self.sharding.spec
+
+    def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
+        return self.sharding.dim_axes(ndim)
+
+    @property
+    def replicated(self) -> tuple[str, ...]:
+        """Axes that neither split a dim nor are partial, in mesh order."""
+        used = set(self.spec.axes) | set(self.partial)
+        return tuple(a for a in self.mesh.axis_names if a not in used)
+
+    def dual(self) -> Layout:
+        """The layout of this layout's cotangents: same sharding, replicated ↔ partial."""
+        return Layout(self.sharding, partial=self.replicated)
+
+    def local_bounds(self, global_shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...]:
+        return self.sharding.local_bounds(global_shape, rank)
+
+    def local_shape(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        return self.sharding.local_shape(global_shape, rank)
+
+    def __repr__(self) -> str:
+        tail = f", partial={self.partial!r}" if self.partial else ""
+        return f"Layout({self.mesh!r}, {self.spec!r}{tail})"
+
+
+def as_layout(target: Any, mesh: AbstractMesh | None = None) -> Layout:
+    """A Layout from a Layout, a NamedSharding, or a spec (with ``mesh``)."""
+    if isinstance(target, Layout):
+        return target
+    if isinstance(target, NamedSharding):
+        return Layout(target)
+    if mesh is None:
+        raise ShardingError(f"a bare spec {target!r} needs a mesh to become a layout")
+    return Layout(mesh, as_spec(target))

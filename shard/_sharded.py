@@ -1,0 +1,104 @@
+"""``Sharded``: this rank's piece of a global tensor, with its layout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ..errors import ShardingError
+from ..mesh._mesh import Mesh
+from ._layout import Layout
+from ._spec import PartitionSpec
+
+__all__ = ["Sharded"]
+
+
+def _check(instance: Sharded, attribute: object, value: object) -> None:
+    layout, shape, local = instance.layout, instance.shape, instance.local
+    if not isinstance(layout.mesh, Mesh):
+        raise ShardingError(
+            f"a Sharded value lives on a live Mesh; {layout.mesh!r} is abstract (use explain() to plan)"
+        )
+    expected = layout.local_shape(shape, layout.mesh.rank)
+    if tuple(local.shape) != expected:
+        raise ShardingError(
+            f"rank {layout.mesh.rank}'s piece of a {shape} tensor under {layout!r} must have shape "
+            f"{expected}; got {tuple(local.shape)}"
+        )
+
+
+@attrs.frozen(eq=False, repr=False)
+class Sharded:
+    """A pytree leaf: this rank's local tensor, the global shape and the layout.
+
+    Build them with :func:`shardax.shard`; take them back with
+    :func:`shardax.gather`; move them with :func:`shardax.transfer`.
+
+    >>> import torch, shardax as sx
+    >>> x = sx.shard(torch.arange(6.0).reshape(2, 3), sx.Mesh({"dp": 1}), sx.P("dp"))
+    >>> x
+    Sharded(shape=(2, 3), dtype=torch.float32, layout=Layout(Mesh({'dp': 1}), P('dp')), local_shape=(2, 3))
+    """
+
+    local: torch.Tensor
+    layout: Layout
+    shape: tuple[int, ...] = attrs.field(
+        converter=lambda s: tuple(int(d) for d in s), validator=_check
+    )
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.layout.mesh  # type: ignore[return-value]
+
+    @property
+    def spec(self) -> PartitionSpec:
+        return self.layout.spec
+
+    @property
+    def partial(self) -> tuple[str, ...]:
+        return self.layout.partial
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(self.local.shape)
+
+    def with_local(self, local: torch.Tensor) -> Sharded:
+        """The same layout and shape around another local tensor."""
+        return Sharded(local, self.layout, self.shape)
+
+    def bounds(self, rank: int | None = None) -> tuple[tuple[int, int], ...]:
+        """``[start, stop)`` per dim of ``rank``'s piece (default: this rank's)."""
+        return self.layout.local_bounds(self.shape, self.mesh.rank if rank is None else rank)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sharded(shape={self.shape}, dtype={self.dtype}, layout={self.layout!r}, "
+            f"local_shape={self.local_shape})"
+        )
+
+
+def local_piece(x: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+    """``rank``'s piece of the full tensor ``x`` under ``layout`` (a view)."""
+    out = x
+    for d, (a, b) in enumerate(layout.local_bounds(tuple(x.shape), rank)):
+        if b - a != x.size(d):
+            out = out.narrow(d, a, b - a)
+    return out
+
+
+def shape_of(x: torch.Tensor | Sequence[int]) -> tuple[int, ...]:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)

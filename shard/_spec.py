@@ -1,0 +1,234 @@
+"""Partition specs and named shardings: which mesh axes split which dims.
+
+A dim split over axes ``(a, b)`` is chunked over ``a`` first, then each
+``a``-chunk over ``b`` (torch.chunk semantics at each level: ceil-sized
+pieces, later ones smaller or empty). For every divisible shape this is JAX's
+layout exactly; for uneven ones it is DTensor's.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from ..collectives._ops import chunk_sizes
+from ..errors import ShardingError
+from ..mesh._mesh import AbstractMesh
+
+__all__ = ["P", "NamedSharding", "PartitionSpec", "dim_bounds"]
+
+Entry = str | tuple[str, ...] | None
+
+
+def _normalize_entry(entry: Any, raw: tuple[Any, ...]) -> Entry:
+    if entry is None:
+        return None
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, list | tuple) and all(isinstance(a, str) for a in entry):
+        if len(entry) == 0:
+            return None
+        return entry[0] if len(entry) == 1 else tuple(entry)
+    raise ShardingError(
+        f"a spec entry is None, an axis name or a tuple of axis names; got {entry!r} in P{raw!r}"
+    )
+
+
+@attrs.frozen(init=False, repr=False)
+class PartitionSpec:
+    """One entry per tensor dim: None (not split), an axis name, or a tuple of
+    axis names (split over their product, first major). Missing trailing
+    entries mean None.
+
+    >>> P("dp", None)
+    P('dp', None)
+    >>> P(("dp", "tp"), None) == P(("dp", "tp"))
+    False
+    >>> P(("dp",)) == P("dp")
+    True
+    >>> P("dp", "dp")
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ShardingError: mesh axis 'dp' appears twice in P('dp', 'dp'); a mesh axis can split at most one dim, once
+    """
+
+    entries: tuple[Entry, ...]
+
+    def __init__(self, *entries: Any) -> None:
+        norm = tuple(_normalize_entry(e, entries) for e in entries)
+        self.__attrs_init__(norm)
+        seen: set[str] = set()
+        for axis in self.axes:
+            if axis in seen:
+                raise ShardingError(
+                    f"mesh axis {axis!r} appears twice in {self!r}; a mesh axis can split at most "
+                    "one dim, once"
+                )
+            seen.add(axis)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis the spec uses, dim by dim."""
+        return tuple(a for e in self.entries for a in _entry_axes(e))
+
+    def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
+        """The axes of each of ``ndim`` dims (padded with ``()``).
+
+        >>> P(("dp", "tp")).dim_axes(2)
+        (('dp', 'tp'), ())
+        """
+        if len(self.entries) > ndim:
+            raise ShardingError(f"{self!r} has {len(self.entries)} entries but the tensor has {ndim} dims")
+        return tuple(_entry_axes(e) for e in self.entries) + ((),) * (ndim - len(self.entries))
+
+    @classmethod
+    def from_dim_axes(cls, dim_axes: Sequence[Sequence[str]]) -> PartitionSpec:
+        """The spec with these axes per dim, trailing unsplit dims dropped.
+
+        >>> P.from_dim_axes([("x",), (), ()])
+        P('x')
+        """
+        entries = [tuple(a) for a in dim_axes]
+        while entries and not entries[-1]:
+            entries.pop()
+        return cls(*entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Any:
+        return iter(self.entries)
+
+    def __getitem__(self, i: int) -> Entry:
+        return self.entries[i]
+
+    def __repr__(self) -> str:
+        return "P(" + ", ".join(repr(e) for e in self.entries) + ")"
+
+
+P = PartitionSpec
+
+
+def _entry_axes(entry: Entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else entry
+
+
+def dim_bounds(length: int, sizes: Sequence[int], index: Sequence[int]) -> tuple[int, int]:
+    """``[start, stop)`` of the piece at ``index`` when ``length`` is chunked
+    over ``sizes`` (first major, nested).
+
+    >>> dim_bounds(5, [2, 2], [0, 1]), dim_bounds(5, [2, 2], [1, 1])
+    ((2, 3), (4, 5))
+    """
+    start, n = 0, length
+    for size, i in zip(sizes, index, strict=True):
+        pieces = chunk_sizes(n, size)
+        start += sum(pieces[:i])
+        n = pieces[i]
+    return start, start + n
+
+
+def _check_spec_axes(mesh: AbstractMesh, spec: PartitionSpec) -> None:
+    for axis in spec.axes:
+        if axis not in mesh.axis_names:
+            hint = difflib.get_close_matches(axis, mesh.axis_names, n=1, cutoff=0.5)
+            raise ShardingError(
+                f"{spec!r} names axis {axis!r}, which mesh {mesh!r} does not have (its axes: "
+                f"{mesh.axis_names!r})" + (f"; did you mean {hint[0]!r}?" if hint else "")
+            )
+
+
+@attrs.frozen(repr=False)
+class NamedSharding:
+    """A spec bound to a mesh: where each rank's piece of a tensor lies.
+
+    >>> from shardax import AbstractMesh
+    >>> s = NamedSharding(AbstractMesh({"dp": 2, "tp": 2}), P("dp", "tp"))
+    >>> s
+    NamedSharding(AbstractMesh({'dp': 2, 'tp': 2}), P('dp', 'tp'))
+    >>> s.shard_shape((8, 6)), s.devices_indices_map((8, 6))[3]
+    ((4, 3), (slice(4, 8, None), slice(3, 6, None)))
+    >>> NamedSharding(AbstractMesh({"dp": 2}), P("dq"))
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ShardingError: P('dq') names axis 'dq', which mesh AbstractMesh({'dp': 2}) does not have (its axes: ('dp',)); did you mean 'dp'?
+    """
+
+    mesh: AbstractMesh
+    spec: PartitionSpec = attrs.field(converter=lambda s: s if isinstance(s, PartitionSpec) else P(*s))
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.mesh, AbstractMesh):
+            raise ShardingError(f"NamedSharding needs a Mesh or AbstractMesh, got {self.mesh!r}")
+        _check_spec_axes(self.mesh, self.spec)
+
+    def check_shape(self, global_shape: Sequence[int], *, path: str = "") -> tuple[int, ...]:
+        """``global_shape`` as a tuple, checked to have a dim for every spec entry."""
+        shape = tuple(int(d) for d in global_shape)
+        if len(self.spec) > len(shape):
+            where = f"{path!r}: " if path else ""
+            raise ShardingError(
+                f"{where}{self.spec!r} has {len(self.spec)} entries but the tensor has shape "
+                f"{shape} ({len(shape)} dims) on mesh {self.mesh!r}; drop entries or fix the rule"
+            )
+        return shape
+
+    def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
+        return self.spec.dim_axes(ndim)
+
+    def local_bounds(self, global_shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...]:
+        """``[start, stop)`` per dim of ``rank``'s piece."""
+        shape = self.check_shape(global_shape)
+        coords = self.mesh.coords(rank)
+        sizes = self.mesh.shape
+        return tuple(
+            dim_bounds(d, [sizes[a] for a in axes], [coords[a] for a in axes])
+            for d, axes in zip(shape, self.dim_axes(len(shape)), strict=True)
+        )
+
+    def local_shape(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        """Shape of ``rank``'s piece (uneven dims: later ranks may be smaller)."""
+        return tuple(b - a for a, b in self.local_bounds(global_shape, rank))
+
+    def shard_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the largest piece (rank 0's); every piece when divisible."""
+        return self.local_shape(global_shape, 0)
+
+    def devices_indices_map(self, global_shape: Sequence[int]) -> dict[int, tuple[slice, ...]]:
+        """``{rank: index}`` of every rank's piece; like JAX's, with ranks for
+        devices (``slice(None)`` for dims no axis of size > 1 splits)."""
+        shape = self.check_shape(global_shape)
+        sizes = self.mesh.shape
+        split = [math.prod(sizes[a] for a in axes) > 1 for axes in self.dim_axes(len(shape))]
+        out = {}
+        for rank in range(self.mesh.world_size):
+            bounds = self.local_bounds(shape, rank)
+            out[rank] = tuple(
+                slice(a, b) if s else slice(None) for (a, b), s in zip(bounds, split, strict=True)
+            )
+        return out
+
+    def is_fully_replicated(self) -> bool:
+        return all(self.mesh.size(a) == 1 for a in self.spec.axes) if self.spec.axes else True
+
+    def __repr__(self) -> str:
+        return f"NamedSharding({self.mesh!r}, {self.spec!r})"
+
+
+def as_spec(spec: Any) -> PartitionSpec:
+    """A PartitionSpec from a spec or a tuple/list of entries."""
+    if isinstance(spec, PartitionSpec):
+        return spec
+    if isinstance(spec, tuple | list):
+        return P(*spec)
+    raise ShardingError(f"expected a PartitionSpec like P('dp', None); got {spec!r}")
+
+
+def axes_of(specs: Iterable[PartitionSpec]) -> set[str]:
+    return {a for s in specs for a in s.axes}

@@ -1,0 +1,110 @@
+"""``transfer``: run a plan's collectives on a Sharded value, differentiably."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..collectives._api import apply_op
+from ..collectives._ops import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Mask,
+    Op,
+    Pad,
+    ReduceScatter,
+    Slice,
+    chunk_sizes,
+)
+from ..errors import ShardingError
+from ..mesh._mesh import Mesh
+from ._layout import Layout, as_layout
+from ._plan import Plan, Step, plan_transfer
+from ._redistribute import Redistribute
+from ._sharded import Sharded
+
+__all__ = ["piece_sizes", "transfer"]
+
+
+def piece_sizes(length: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """Lengths of the nested chunks of ``length`` over ``sizes`` (first major),
+    in member order.
+
+    >>> piece_sizes(5, [2, 2])
+    (2, 1, 1, 1)
+    """
+    pieces = [length]
+    for n in sizes:
+        pieces = [c for p in pieces for c in chunk_sizes(p, n)]
+    return tuple(pieces)
+
+
+def _op(step: Step, before: Layout, after: Layout, shape: tuple[int, ...]) -> Op:
+    mesh = before.mesh if step.kind != "mask" else after.mesh
+    assert isinstance(mesh, Mesh)
+    if step.kind == "redistribute":
+        return Redistribute(mesh.group(mesh.axis_names), before, after, shape)
+    group = mesh.group(step.axes)
+    sizes = [mesh.size(a) for a in step.axes]
+    rank = mesh.rank
+    if step.kind == "psum":
+        return AllReduce(group, "sum")
+    if step.kind == "mask":
+        return Mask(group)
+    d = step.dim
+    assert d is not None
+    if step.kind in ("slice", "psum_scatter"):
+        pieces = piece_sizes(before.local_shape(shape, rank)[d], sizes)
+        return (Slice if step.kind == "slice" else ReduceScatter)(group, d, pieces)
+    if step.kind in ("all_gather", "pad"):
+        pieces = piece_sizes(after.local_shape(shape, rank)[d], sizes)
+        return (AllGather if step.kind == "all_gather" else Pad)(group, d, pieces)
+    # all_to_all: step.dim's axes move to step.to_dim.
+    e = step.to_dim
+    assert e is not None
+    split = piece_sizes(before.local_shape(shape, rank)[e], sizes)
+    concat = piece_sizes(after.local_shape(shape, rank)[d], sizes)
+    return AllToAll(group, e, d, split, concat)
+
+
+def run_plan(local: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Apply a plan's collectives to this rank's local tensor."""
+    for step, before, after in zip(plan.steps, plan.layouts[:-1], plan.layouts[1:], strict=True):
+        local = apply_op(local, _op(step, before, after, plan.shape))
+    return local
+
+
+def transfer(x: Sharded, dst: Any) -> Sharded:
+    """Relayout ``x`` to ``dst`` (a :class:`Layout`, a :class:`NamedSharding`,
+    or a spec on ``x``'s mesh) — the one mechanism that moves data.
+
+    Partial → replicated is a psum, partial → sharded a psum_scatter, sharded →
+    replicated an all_gather, replicated → sharded a local slice, a split that
+    moves between dims an all_to_all; several such steps combine (see
+    :func:`plan_transfer`). Differentiable: backward runs the transposed
+    transfer between the dual layouts (replicated ↔ partial), so gradients are
+    never scaled by an axis size.
+
+    >>> import torch, shardax as sx
+    >>> mesh = sx.Mesh({"dp": 1})
+    >>> x = sx.shard(torch.arange(4.0), mesh, sx.P("dp"))
+    >>> sx.transfer(x, sx.P()).local
+    tensor([0., 1., 2., 3.])
+    """
+    if not isinstance(x, Sharded):
+        raise ShardingError(f"transfer moves Sharded values; got {type(x).__name__} (use shard() first)")
+    layout = as_layout(dst, x.mesh)
+    if not isinstance(layout.mesh, Mesh):
+        raise ShardingError(f"transfer needs a live Mesh for its target, got {layout.mesh!r}")
+    if layout == x.layout:
+        return x
+    plan = plan_transfer(x.layout, layout, x.shape)
+    return Sharded(run_plan(x.local, plan), layout, x.shape)
+
+
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize

@@ -1,0 +1,68 @@
+"""Layouts for tests: enumerate them, represent a dense tensor in one (with
+random partial splits), and assemble ranks' pieces back into the dense tensor."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from shardax import Layout, P
+from shardax.mesh import AbstractMesh
+from shardax.shard._sharded import local_piece
+
+
+def all_layouts(mesh: AbstractMesh, ndim: int) -> list[Layout]:
+    """Every layout of an ``ndim`` tensor: each axis replicated, partial, or
+    splitting some dim (every order of axes on a dim)."""
+    out = []
+    names = mesh.axis_names
+    for choice in itertools.product(["rep", "partial", *range(ndim)], repeat=len(names)):
+        partial = [a for a, c in zip(names, choice, strict=True) if c == "partial"]
+        per_dim = [[a for a, c in zip(names, choice, strict=True) if c == d] for d in range(ndim)]
+        for orders in itertools.product(*[list(itertools.permutations(axes)) for axes in per_dim]):
+            out.append(Layout(mesh, P.from_dim_axes(orders), partial=partial))
+    return out
+
+
+def integer_tensor(shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, tuple(shape), generator=g).to(dtype)
+
+
+def represent(x: torch.Tensor, layout: Layout, rank: int, seed: int = 0) -> torch.Tensor:
+    """``rank``'s local tensor for dense ``x`` under ``layout``: its piece, split
+    over the partial axes into random integer parts that sum to it."""
+    piece = local_piece(x, layout, rank).clone()
+    if not layout.partial:
+        return piece
+    mesh = layout.mesh
+    n = mesh.size(layout.partial)
+    k = mesh.axis_index(layout.partial, rank)
+
+    def noise(i: int) -> torch.Tensor:
+        return integer_tensor(piece.shape, seed * 1009 + i, x.dtype)
+
+    if k:
+        return noise(k)
+    return piece - sum((noise(i) for i in range(1, n)), torch.zeros_like(piece))
+
+
+def assemble(pieces: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int]) -> torch.Tensor:
+    """The dense tensor that ranks' ``pieces`` represent under ``layout``
+    (partial parts summed); checks replicas agree."""
+    mesh = layout.mesh
+    out = torch.zeros(tuple(shape), dtype=pieces[0].dtype)
+    first: dict[tuple, torch.Tensor] = {}
+    for rank, piece in enumerate(pieces):
+        box = layout.local_bounds(shape, rank)
+        assert tuple(piece.shape) == tuple(b - a for a, b in box), (rank, piece.shape, box, layout)
+        coords = mesh.coords(rank)
+        key = (box, tuple(coords[a] for a in layout.partial))
+        if key in first:
+            torch.testing.assert_close(piece, first[key], rtol=0, atol=0, msg=f"replicas differ: rank {rank} {layout}")
+            continue
+        first[key] = piece
+        out[tuple(slice(a, b) for a, b in box)] += piece
+    return out
