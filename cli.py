@@ -23,3 +23,7 @@ def main() -> None:
 
 
 main.add_command(launch_command, "launch")
+
+
+if __name__ == "__main__":
+    main()

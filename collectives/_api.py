@@ -53,9 +53,7 @@ Axis = str | tuple[str, ...]
 def _resolve_mesh(mesh: Any, what: str) -> Any:
     mesh = mesh if mesh is not None else _context.current()
     if mesh is None:
-        raise CollectiveError(
-            f"{what} needs a mesh: pass mesh=... or call it inside `with mesh:`"
-        )
+        raise CollectiveError(f"{what} needs a mesh: pass mesh=... or call it inside `with mesh:`")
     return mesh
 
 
@@ -67,7 +65,9 @@ def _group(axis: Axis | Iterable[str] | None, mesh: Any, what: str) -> Group:
 
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
     if not -x.dim() <= dim < max(x.dim(), 1):
-        raise CollectiveError(f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+        raise CollectiveError(
+            f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}"
+        )
     return dim % max(x.dim(), 1)
 
 
@@ -86,7 +86,14 @@ class _Collective(torch.autograd.Function):
 
 
 def apply_op(x: torch.Tensor, op: Op) -> torch.Tensor:
-    """Run ``op`` on ``x``, differentiably (backward runs ``transpose(op)``)."""
+    """Run ``op`` on ``x``, differentiably (backward runs ``transpose(op)``).
+
+    >>> import torch, shardax as sx
+    >>> from shardax.collectives._ops import AllReduce
+    >>> group = sx.Mesh({"dp": 1}).group("dp")
+    >>> apply_op(torch.ones(2), AllReduce(group, "sum"))
+    tensor([1., 1.])
+    """
     return _Collective.apply(x, op, None)
 
 
@@ -214,7 +221,9 @@ def all_gather(
     if sizes is None:
         sizes = _exchange(x.size(dim), group, x.device) if group.size > 1 else (x.size(dim),)
     if len(sizes) != group.size:
-        raise CollectiveError(f"all_gather over {group.label}: {len(sizes)} sizes for {group.size} members")
+        raise CollectiveError(
+            f"all_gather over {group.label}: {len(sizes)} sizes for {group.size} members"
+        )
     return _run(x, AllGather(group, dim, tuple(sizes)), async_op)
 
 
@@ -328,7 +337,9 @@ def broadcast(
     """
     group = _group(axis, mesh, "broadcast")
     if not 0 <= src < group.size:
-        raise CollectiveError(f"broadcast over {group.label}: src {src} is not in 0..{group.size - 1}")
+        raise CollectiveError(
+            f"broadcast over {group.label}: src {src} is not in 0..{group.size - 1}"
+        )
     return _run(x, Broadcast(group, src), async_op)
 
 

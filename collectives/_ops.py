@@ -109,7 +109,9 @@ class AllReduce(Op):
     def start(self, x: torch.Tensor) -> Handle:
         name = {"sum": "psum", "mean": "pmean", "max": "pmax", "min": "pmin"}[self.reduce]
         if self.reduce == "mean" and not (x.is_floating_point() or x.is_complex()):
-            raise CollectiveError(f"pmean over {self.group.label} needs a floating dtype, got {x.dtype}")
+            raise CollectiveError(
+                f"pmean over {self.group.label} needs a floating dtype, got {x.dtype}"
+            )
         if self.group.size == 1:
             return Handle.ready(x)
         buf = x.detach().contiguous().clone()
@@ -366,6 +368,11 @@ def transpose(op: Op) -> Op:
 
     Raises:
         CollectiveError: for ops that are not linear (pmax, pmin).
+
+    >>> import shardax as sx
+    >>> group = sx.Mesh({"dp": 1}).group("dp")
+    >>> type(transpose(AllGather(group, 0, (4,)))).__name__
+    'ReduceScatter'
     """
     rule = _TRANSPOSE.get(type(op))
     result = rule(op) if rule is not None else getattr(op, "transpose", lambda: None)()

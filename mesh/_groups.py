@@ -3,6 +3,7 @@ job, shared by every mesh that views the same ranks."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -11,12 +12,13 @@ import torch
 import torch.distributed as dist
 
 from ..collectives._group import Group, PGState
+from ..errors import MeshError
 from ._runtime import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
     from ._mesh import Mesh
 
-__all__ = ["default_timeout", "group_along"]
+__all__ = ["create_groups", "default_timeout", "group_along"]
 
 # Keyed by the job's default process group, so a new job (init after
 # shutdown) starts with an empty cache. Values: partition key -> PGState, and
@@ -37,33 +39,62 @@ def default_timeout() -> float:
     return DEFAULT_TIMEOUT
 
 
+def _partition_key(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, ...]:
+    blocks = tuple(sorted(tuple(sorted(b)) for b in mesh.groups_along(axes)))
+    return ("pg", blocks, mesh.timeout)
+
+
+def create_groups(mesh: Mesh) -> None:
+    """Create the process groups of every set of ``mesh``'s axes that has more
+    than one rank: collectively (every rank calls this, for the same meshes,
+    in the same order — building a Mesh does), in a fixed order, once per job
+    (meshes viewing the same ranks share them). Afterwards no collective ever
+    creates a group, so rank-local control flow cannot deadlock group creation.
+    """
+    if not dist.is_initialized() or mesh.world_size == 1:
+        return
+    cache = _CACHE.setdefault(dist.group.WORLD, {})
+    timeout = mesh.timeout if mesh.timeout is not None else default_timeout()
+    names = [a for a, n in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if n > 1]
+    for k in range(1, len(names) + 1):
+        for axes in itertools.combinations(names, k):
+            key = _partition_key(mesh, axes)
+            if key in cache:
+                continue
+            blocks = key[1]
+            mine = next(b for b in blocks if mesh.rank in b)
+            if len(blocks) == 1 and mesh.timeout is None:
+                pg = dist.group.WORLD
+            else:
+                pg = None
+                for block in blocks:
+                    try:
+                        made = dist.new_group(list(block), timeout=timedelta(seconds=timeout))
+                    except Exception as err:
+                        raise MeshError(
+                            f"creating the process groups of {mesh!r} failed on rank {mesh.rank} "
+                            f"({err}); every rank must build the same meshes, in the same order"
+                        ) from err
+                    if block == mine:
+                        pg = made
+            cache[key] = PGState(pg, mine, timeout)
+
+
 def group_along(mesh: Mesh, axes: tuple[str, ...]) -> Group:
-    """This rank's group along ``axes`` of ``mesh``."""
+    """This rank's group along ``axes`` of ``mesh`` (no communication)."""
     label = f"axes {axes!r} of {mesh!r}" if len(axes) != 1 else f"axis {axes[0]!r} of {mesh!r}"
     if mesh.size(axes) == 1 or not dist.is_initialized():
         return Group((mesh.rank,), mesh.rank, None, label)
     cache = _CACHE.setdefault(dist.group.WORLD, {})
     memo = ("group", mesh.axis_names, mesh.axis_sizes, axes, mesh.timeout)
     group = cache.get(memo)
-    if group is not None:
-        return group
-    timeout = mesh.timeout if mesh.timeout is not None else default_timeout()
-    blocks = tuple(sorted(tuple(sorted(b)) for b in mesh.groups_along(axes)))
-    key = ("pg", blocks, mesh.timeout)
-    state = cache.get(key)
-    if state is None:
-        mine = next(b for b in blocks if mesh.rank in b)
-        if len(blocks) == 1 and mesh.timeout is None:
-            pg = dist.group.WORLD
-        else:
-            # Collective: every rank creates every block, in the same order.
-            pg = None
-            for block in blocks:
-                made = dist.new_group(list(block), timeout=timedelta(seconds=timeout))
-                if block == mine:
-                    pg = made
-        state = PGState(pg, mine, timeout)
-        cache[key] = state
-    group = Group(mesh.ranks_along(axes), mesh.rank, state, label)
-    cache[memo] = group
+    if group is None:
+        key = _partition_key(mesh, tuple(a for a in axes if mesh.size(a) > 1))
+        state = cache.get(key)
+        if state is None:
+            raise MeshError(
+                f"{mesh!r} has no process groups on rank {mesh.rank}: it was built before "
+                "torch.distributed was initialized, or in another job; build meshes after shardax.init()"
+            )
+        group = cache[memo] = Group(mesh.ranks_along(axes), mesh.rank, state, label)
     return group

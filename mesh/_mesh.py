@@ -53,7 +53,9 @@ def _validate_shape(shape: Any, world: int | None) -> tuple[tuple[str, ...], tup
             )
     for name, size in zip(names, sizes, strict=True):
         if not isinstance(size, int | np.integer) or isinstance(size, bool):
-            raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes are ints in {dict(shape)!r}")
+            raise MeshError(
+                f"mesh axis {name!r} has size {size!r}; sizes are ints in {dict(shape)!r}"
+            )
         if size == 0 or size < -1:
             raise MeshError(
                 f"mesh axis {name!r} has size {size}; sizes are positive "
@@ -125,7 +127,9 @@ class AbstractMesh:
     def __contains__(self, axis: object) -> bool:
         return axis in self.axis_names
 
-    def check_axes(self, axes: str | Iterable[str] | None, *, what: str = "axes") -> tuple[str, ...]:
+    def check_axes(
+        self, axes: str | Iterable[str] | None, *, what: str = "axes"
+    ) -> tuple[str, ...]:
         """Normalize ``axes`` and check each names an axis of this mesh, once.
 
         >>> AbstractMesh({"dp": 2}).check_axes("dq")
@@ -206,10 +210,11 @@ class Mesh(AbstractMesh):
     """A mesh over the live ranks of this job.
 
     Build it on every rank, after :func:`shardax.init` (world size 1 needs no
-    init). One axis may be ``-1``: it takes what the world size leaves. The
-    process groups for each set of axes are created on first use, by every
-    rank, in the same order, and cached (meshes that are views of the same
-    ranks share them).
+    init), and build the same meshes in the same order on every rank: that is
+    when the process groups of every set of its axes are created —
+    collectively, once per job, shared by meshes that view the same ranks — so
+    that no collective ever has to create one. One axis may be ``-1``: it
+    takes what the world size leaves.
 
     Args:
         shape: axis name → size, in grid order (last axis fastest).
@@ -234,6 +239,9 @@ class Mesh(AbstractMesh):
         if timeout is not None and not timeout > 0:
             raise MeshError(f"timeout must be positive seconds; got {timeout!r}")
         self.__attrs_init__(names, sizes, timeout, rank)
+        from ._groups import create_groups
+
+        create_groups(self)
 
     def axis_index(self, axes: str | Iterable[str], rank: int | None = None) -> int:  # type: ignore[override]
         """This rank's index along ``axes`` (mixed radix, first axis major)."""
@@ -249,9 +257,8 @@ class Mesh(AbstractMesh):
         return Mesh(shape, timeout=self.timeout)
 
     def group(self, axes: str | Iterable[str]) -> Group:
-        """The collective group of this rank along ``axes`` (created on first
-        use, collectively: every rank must ask for the same axes in the same
-        order, as SPMD code does)."""
+        """The collective group of this rank along ``axes`` (member order:
+        mixed radix over ``axes``, first axis major). Local: no communication."""
         from ._groups import group_along
 
         return group_along(self, self.check_axes(axes))
@@ -265,7 +272,11 @@ class Mesh(AbstractMesh):
 
 
 def current_mesh() -> Mesh | None:
-    """The mesh of the innermost ``with mesh:`` block, or None."""
+    """The mesh of the innermost ``with mesh:`` block, or None.
+
+    >>> current_mesh() is None
+    True
+    """
     return _context.current()
 
 

@@ -125,7 +125,9 @@ def detect_env(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
         )
     # Only inside an srun step (not a batch script, which also has SLURM_PROCID).
     if "SLURM_PROCID" in env and env.get("SLURM_STEP_ID", "batch").isdigit():
-        world = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
+        world = _int(
+            env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+        )
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
         if "MASTER_ADDR" in env:
             addr = env["MASTER_ADDR"]

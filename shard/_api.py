@@ -50,6 +50,12 @@ def layouts_for(
     ``specs`` is a :class:`Rule`/:class:`Rules`, one spec/layout for every
     leaf, or a pytree of specs shaped like ``tree`` (or a prefix of it; None
     means replicated). Leaves may be tensors (meta ones too) or ``Sharded``.
+
+    >>> import torch, shardax as sx
+    >>> tree = {"w": torch.empty(4, 2, device="meta"), "n": 3}
+    >>> paths, _, _, layouts = layouts_for(tree, sx.AbstractMesh({"dp": 2}), sx.Rule("w", sx.P("dp")))
+    >>> paths, layouts
+    (['n', 'w'], [None, Layout(AbstractMesh({'dp': 2}), P('dp'))])
     """
     is_leaf = lambda x: isinstance(x, Sharded)  # noqa: E731
     paths, leaves, treespec = flatten_with_paths(tree, is_leaf=is_leaf, none_is_leaf=True)
@@ -60,7 +66,9 @@ def layouts_for(
         rules = specs
     if rules is not None:
         if rules.strict:
-            tensor_paths = [p for p, x in zip(paths, leaves, strict=True) if _shape(x) not in (None, ())]
+            tensor_paths = [
+                p for p, x in zip(paths, leaves, strict=True) if _shape(x) not in (None, ())
+            ]
             missing = rules.unmatched(tensor_paths)
             if missing:
                 raise ShardingError(
@@ -117,7 +125,9 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src: int | None = None) -> Any:
     P('dp')
     """
     if not isinstance(mesh, Mesh):
-        raise ShardingError(f"shard needs a live Mesh; got {mesh!r} (explain() plans on AbstractMesh)")
+        raise ShardingError(
+            f"shard needs a live Mesh; got {mesh!r} (explain() plans on AbstractMesh)"
+        )
     _, leaves, treespec, layouts = layouts_for(tree, mesh, specs)
     out = []
     for leaf, layout in zip(leaves, layouts, strict=True):
@@ -137,7 +147,11 @@ def _shard_one(x: torch.Tensor, mesh: Mesh, layout: Layout, src: int | None) -> 
         x = broadcast(x, mesh.axis_names, src=src, mesh=mesh)
     full = Sharded(x, Layout(mesh), tuple(x.shape))
     local = transfer(full, layout).local
-    if local.numel() and x.numel() and local.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+    if (
+        local.numel()
+        and x.numel()
+        and local.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    ):
         local = local.clone()  # do not keep the whole tensor alive through a view
     return Sharded(local, layout, tuple(x.shape))
 

@@ -90,21 +90,36 @@ class Explanation:
         head = ("path", "shape", "dtype", "spec", "local shape", "bytes/rank")
         body = []
         for r in self.rows:
-            spec = repr(r.layout.spec) + (f" partial={r.layout.partial!r}" if r.layout.partial else "")
+            spec = repr(r.layout.spec) + (
+                f" partial={r.layout.partial!r}" if r.layout.partial else ""
+            )
             lo, hi = min(r.rank_bytes), max(r.rank_bytes)
             size = format_bytes(hi) if lo == hi else f"{format_bytes(lo)}..{format_bytes(hi)}"
             local = str(r.local_shape) + (" (uneven)" if r.uneven else "")
             body.append(
-                (r.path or "<root>", str(r.shape), str(r.dtype).removeprefix("torch."), spec, local, size)
+                (
+                    r.path or "<root>",
+                    str(r.shape),
+                    str(r.dtype).removeprefix("torch."),
+                    spec,
+                    local,
+                    size,
+                )
             )
         widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-        fmt = "  ".join("{:<%d}" % w for w in widths)
-        lines = [f"{self.mesh!r}: {len(self.rows)} tensors, {format_bytes(self.global_bytes)} in all"]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [
+            f"{self.mesh!r}: {len(self.rows)} tensors, {format_bytes(self.global_bytes)} in all"
+        ]
         lines += [fmt.format(*head).rstrip(), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*b).rstrip() for b in body]
         per = self.rank_bytes
-        if len(per) <= 8:
-            lines.append("per rank: " + ", ".join(f"{i}: {format_bytes(b)}" for i, b in enumerate(per)))
+        if len(set(per)) == 1:
+            lines.append(f"per rank: {format_bytes(per[0])} on each of {len(per)} ranks")
+        elif len(per) <= 8:
+            lines.append(
+                "per rank: " + ", ".join(f"{i}: {format_bytes(b)}" for i, b in enumerate(per))
+            )
         else:
             lines.append(
                 f"per rank: max {format_bytes(max(per))} (rank {int(np.argmax(per))}), "

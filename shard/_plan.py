@@ -123,6 +123,13 @@ class _State:
     def goal_dim(self, a: str) -> int | None:
         return next((d for d, axes in enumerate(self.goal) if a in axes), None)
 
+    def common(self, d: int) -> int:
+        """Length of the common prefix of dim ``d``'s axes and its target's."""
+        k = 0
+        while k < min(len(self.cur[d]), len(self.goal[d])) and self.cur[d][k] == self.goal[d][k]:
+            k += 1
+        return k
+
     def wanted(self, d: int) -> list[str]:
         return self.goal[d][len(self.cur[d]) :]
 
@@ -153,16 +160,13 @@ def _next_step(s: _State) -> Step:
     for d in range(n):
         if s.ready(d):
             continue
-        k = next(i for i, (a, b) in enumerate(zip([*s.cur[d], None], [*s.goal[d], None])) if a != b)
-        for j in range(k, len(s.cur[d])):
+        for j in range(s.common(d), len(s.cur[d])):
             tail = s.cur[d][j:]
             for e in ready:
                 if e != d and s.wanted(e)[: len(tail)] == tail:
                     return Step("all_to_all", tuple(tail), d, e)
     # 4. psum: partial axes the target replicates.
-    axes = tuple(
-        a for a in s.mesh.axis_names if a in s.part - s.gpart and s.goal_dim(a) is None
-    )
+    axes = tuple(a for a in s.mesh.axis_names if a in s.part - s.gpart and s.goal_dim(a) is None)
     if axes:
         return Step("psum", axes)
     # 5. mask / pad: axes the target wants partial.
@@ -176,8 +180,7 @@ def _next_step(s: _State) -> Step:
     # 6. all_gather: axes in the wrong place.
     for d in range(n):
         if not s.ready(d):
-            k = next(i for i, (a, b) in enumerate(zip([*s.cur[d], None], [*s.goal[d], None])) if a != b)
-            return Step("all_gather", tuple(s.cur[d][k:]), d)
+            return Step("all_gather", tuple(s.cur[d][s.common(d) :]), d)
     # 7. psum: whatever partial axis is left.
     axes = tuple(a for a in s.mesh.axis_names if a in s.part - s.gpart)
     if axes:

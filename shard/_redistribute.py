@@ -98,7 +98,9 @@ class Redistribute(Op):
         recv = x.new_empty(sum(out_splits))
 
         def finish() -> torch.Tensor:
-            flat = iter(torch.split(recv, [math.prod(b - a for a, b in p) for ps in recvs for p in ps]))
+            flat = iter(
+                torch.split(recv, [math.prod(b - a for a, b in p) for ps in recvs for p in ps])
+            )
             for ps in recvs:
                 for p in ps:
                     block = next(flat).view(tuple(b - a for a, b in p))

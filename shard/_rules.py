@@ -136,7 +136,9 @@ class Rules:
         return [p for p in paths if self.match(p) is None]
 
     def __repr__(self) -> str:
-        flags = (", strict=True" if self.strict else "") + (", divisible=True" if self.divisible else "")
+        flags = (", strict=True" if self.strict else "") + (
+            ", divisible=True" if self.divisible else ""
+        )
         return "Rules(" + ", ".join(repr(r) for r in self.rules) + flags + ")"
 
 

@@ -82,7 +82,9 @@ class PartitionSpec:
         (('dp', 'tp'), ())
         """
         if len(self.entries) > ndim:
-            raise ShardingError(f"{self!r} has {len(self.entries)} entries but the tensor has {ndim} dims")
+            raise ShardingError(
+                f"{self!r} has {len(self.entries)} entries but the tensor has {ndim} dims"
+            )
         return tuple(_entry_axes(e) for e in self.entries) + ((),) * (ndim - len(self.entries))
 
     @classmethod
@@ -161,7 +163,9 @@ class NamedSharding:
     """
 
     mesh: AbstractMesh
-    spec: PartitionSpec = attrs.field(converter=lambda s: s if isinstance(s, PartitionSpec) else P(*s))
+    spec: PartitionSpec = attrs.field(
+        converter=lambda s: s if isinstance(s, PartitionSpec) else P(*s)
+    )
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mesh, AbstractMesh):

@@ -96,7 +96,9 @@ def transfer(x: Sharded, dst: Any) -> Sharded:
     tensor([0., 1., 2., 3.])
     """
     if not isinstance(x, Sharded):
-        raise ShardingError(f"transfer moves Sharded values; got {type(x).__name__} (use shard() first)")
+        raise ShardingError(
+            f"transfer moves Sharded values; got {type(x).__name__} (use shard() first)"
+        )
     layout = as_layout(dst, x.mesh)
     if not isinstance(layout.mesh, Mesh):
         raise ShardingError(f"transfer needs a live Mesh for its target, got {layout.mesh!r}")

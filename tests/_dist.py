@@ -14,6 +14,7 @@ fresh pool.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import importlib.util
@@ -39,9 +40,7 @@ class RankFailed(Exception):
     def __init__(self, errors: dict[int, BaseException], tracebacks: dict[int, str]) -> None:
         self.errors = errors
         self.tracebacks = tracebacks
-        text = "\n".join(
-            f"--- rank {r} ---\n{tb.rstrip()}" for r, tb in sorted(tracebacks.items())
-        )
+        text = "\n".join(f"--- rank {r} ---\n{tb.rstrip()}" for r, tb in sorted(tracebacks.items()))
         super().__init__(f"{len(errors)} rank(s) failed: {sorted(errors)}\n{text}")
 
 
@@ -93,7 +92,7 @@ def _worker_main(rank: int, world: int, store: str, conn: Any, log: str) -> None
         try:
             result = _resolve(module, path, qualname)(*args, **kwargs)
             conn.send(("ok", result))
-        except BaseException as err:  # noqa: BLE001 - report everything to the parent
+        except BaseException as err:
             tb = traceback.format_exc()
             try:
                 conn.send(("err", err, tb))
@@ -162,7 +161,9 @@ class _Pool:
             raise RankFailed(errors, tbs)
         return [results[r] for r in range(self.world)]
 
-    def run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float) -> list[Any]:
+    def run(
+        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float
+    ) -> list[Any]:
         path = getattr(sys.modules.get(fn.__module__), "__file__", None)
         msg = (fn.__module__, path, fn.__qualname__, args, kwargs)
         for conn in self.conns:
@@ -181,10 +182,8 @@ class _Pool:
 
     def kill(self) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(Exception):
                 conn.send(None)
-            except Exception:
-                pass
         for p in self.procs:
             p.join(timeout=0.5)
             if p.is_alive():
@@ -200,9 +199,18 @@ _POOLS: dict[int, _Pool] = {}
 
 
 def run_ranks(
-    fn: Any, *args: Any, world_size: int = 2, timeout: float = JOB_TIMEOUT, **kwargs: Any
+    fn: Any,
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = JOB_TIMEOUT,
+    reset: bool = False,
+    **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; their results."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; their results.
+
+    ``reset=True`` retires the pool afterwards (for jobs that leave process
+    groups broken on purpose, e.g. timeouts).
+    """
     if world_size == 1:
         return [fn(*args, **kwargs)]
     pool = _POOLS.get(world_size)
@@ -211,12 +219,16 @@ def run_ranks(
             _POOLS.pop(other).kill()
         pool = _POOLS[world_size] = _Pool(world_size)
     try:
-        return pool.run(fn, args, kwargs, timeout)
+        results = pool.run(fn, args, kwargs, timeout)
     except BaseException:
-        _POOLS.pop(world_size, None)
-        if pool.procs:
-            pool.kill()
+        reset = True
         raise
+    finally:
+        if reset:
+            _POOLS.pop(world_size, None)
+            if pool.procs:
+                pool.kill()
+    return results
 
 
 def shutdown_pools() -> None:

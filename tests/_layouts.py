@@ -26,7 +26,9 @@ def all_layouts(mesh: AbstractMesh, ndim: int) -> list[Layout]:
     return out
 
 
-def integer_tensor(shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def integer_tensor(
+    shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-8, 9, tuple(shape), generator=g).to(dtype)
 
@@ -61,7 +63,9 @@ def assemble(pieces: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int
         coords = mesh.coords(rank)
         key = (box, tuple(coords[a] for a in layout.partial))
         if key in first:
-            torch.testing.assert_close(piece, first[key], rtol=0, atol=0, msg=f"replicas differ: rank {rank} {layout}")
+            torch.testing.assert_close(
+                piece, first[key], rtol=0, atol=0, msg=f"replicas differ: rank {rank} {layout}"
+            )
             continue
         first[key] = piece
         out[tuple(slice(a, b) for a, b in box)] += piece

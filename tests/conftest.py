@@ -8,8 +8,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pytest  # noqa: E402
-from _dist import shutdown_pools  # noqa: E402
+import pytest
+from _dist import shutdown_pools
 
 
 def _world_size(item: pytest.Item) -> int:

@@ -1,0 +1,6 @@
+"""``python -m shardax`` is the ``shardax`` command."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""Spawn the ranks and supervise them: fail fast, forward signals, leave no
+process behind.
+
+Each rank starts in its own session (so its own process group) and, on
+Linux, with ``PR_SET_PDEATHSIG=SIGKILL``, so it dies with the launcher even
+when the launcher is SIGKILLed; a small watchdog process then kills what the
+ranks started. Stopping a rank signals its whole process
+group (the rank and every child it started): SIGTERM, then SIGKILL after a
+grace period. Ranks are reaped only once their group has been stopped, so a
+rank's pid (its process group id) cannot be reused while we still signal it.
+
+>>> import sys
+>>> launch([sys.executable, "-c", "import os; print(os.environ['WORLD_SIZE'])"],
+...        nproc_per_node=1)
+[rank 0] 1
+0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
+import attrs
+
+from ..errors import LaunchError
+from ._spec import DEFAULT_MASTER_ADDR, LaunchSpec, free_port, rank_env, validate_ranks
+from ._stream import RankOutput, Sink, describe_returncode, exit_code, format_failure
+
+__all__ = ["launch"]
+
+POLL_S = 0.05  # how often the supervisor looks at the ranks
+REAP_TIMEOUT_S = 5.0  # how long to wait for a SIGKILLed rank to be reapable
+DRAIN_TIMEOUT_S = 2.0  # how long to wait for the last output of stopped ranks
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL
+_STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+@attrs.frozen
+class _Outcome:
+    """How supervision ended: the failed ranks (first failure first), or the
+    signal that stopped the launcher, or neither (all ranks exited 0)."""
+
+    failures: tuple[tuple[int, int], ...] = ()  # (rank, returncode)
+    signum: int | None = None
+
+
+def launch(
+    cmd: Sequence[str],
+    *,
+    nproc_per_node: int,
+    master_addr: str = DEFAULT_MASTER_ADDR,
+    master_port: int | None = None,
+    log_ranks: Iterable[int] | None = None,
+    kill_grace: float = 5.0,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``cmd`` as ``nproc_per_node`` local ranks and supervise them.
+
+    Every line a rank writes is re-emitted prefixed ``[rank k] `` (stdout to
+    stdout, stderr to stderr). If a rank exits non-zero or is killed, the
+    others are stopped (SIGTERM to each rank's process group, SIGKILL after
+    ``kill_grace`` seconds), a summary with the failed rank's traceback goes
+    to stderr, and its exit code is returned. SIGINT, SIGTERM or SIGHUP to
+    the launcher stop the ranks the same way and return 128 + the signal
+    (130, 143, 129); they are only caught when called from the main thread.
+
+    Args:
+        cmd: The argv every rank runs, e.g. ``[sys.executable, "train.py"]``
+            (see :func:`rank_command`).
+        nproc_per_node: The number of ranks.
+        master_addr: The address of rank 0's rendezvous store.
+        master_port: Its port; ``None`` asks the OS for a free one.
+        log_ranks: The ranks whose output is shown (``None``: all). A failed
+            rank's traceback is shown in the summary regardless.
+        kill_grace: Seconds between SIGTERM and SIGKILL when stopping ranks.
+        env: The environment the ranks start from (default ``os.environ``);
+            see :func:`rank_env` for what is added.
+
+    Returns:
+        0 if every rank exited 0; else the first failed rank's exit code
+        (128 + N if it was killed by signal N), or 128 + the signal that
+        stopped the launcher.
+
+    Raises:
+        LaunchError: Bad arguments, or a rank could not be started.
+
+    >>> import sys
+    >>> launch([sys.executable, "-c", "import sys; sys.exit(3)"], nproc_per_node=1,
+    ...        kill_grace=1.0)
+    3
+    """
+    spec = LaunchSpec(
+        cmd=cmd,
+        nproc_per_node=nproc_per_node,
+        master_addr=master_addr,
+        master_port=free_port() if master_port is None else master_port,
+    )
+    ranks = range(spec.nproc_per_node)
+    shown = ranks if log_ranks is None else validate_ranks(log_ranks, spec.world_size, "log_ranks")
+    if isinstance(kill_grace, bool) or not isinstance(kill_grace, (int, float)) or kill_grace < 0:
+        raise LaunchError(f"kill_grace must be a number of seconds >= 0, got {kill_grace!r}")
+    base_env = os.environ if env is None else env
+    envs = [rank_env(spec, rank, base_env) for rank in ranks]
+    sink = Sink()
+    with _record_signals() as received:
+        procs = _spawn_all(spec.cmd, envs)
+        guard = _start_guard([proc.pid for proc in procs])
+        # Reader threads start only now: preexec_fn is unsafe once threads exist.
+        outputs = [
+            RankOutput(rank, proc.stdout, proc.stderr, sink=sink, show=rank in shown)
+            for rank, proc in enumerate(procs)
+        ]
+        for output in outputs:
+            output.start()
+        try:
+            outcome = _supervise(procs, received, float(kill_grace), sink)
+        except BaseException:  # a bug or an unexpected exception: still leave nothing behind
+            _stop(procs, 0.0, received)
+            raise
+        finally:
+            _dismiss_guard(guard)
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    for output in outputs:
+        output.join(max(0.0, deadline - time.monotonic()))
+    if outcome.signum is not None:
+        return 128 + outcome.signum
+    if outcome.failures:
+        rank = outcome.failures[0][0]
+        returncodes = {r: proc.returncode for r, proc in enumerate(procs)}
+        sink.message(
+            format_failure(outcome.failures, returncodes, outputs[rank].stderr_tail(), spec.cmd)
+        )
+        return exit_code(outcome.failures[0][1])
+    return 0
+
+
+@contextlib.contextmanager
+def _record_signals() -> Iterator[list[int]]:
+    """While active, SIGINT/SIGTERM/SIGHUP are appended to the yielded list
+    instead of acting (main thread only; elsewhere nothing is installed)."""
+    received: list[int] = []
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, lambda num, frame: received.append(num))
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when the launcher dies
+    (Linux ``prctl(PR_SET_PDEATHSIG)``), or ``None`` where that is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent, sigkill = os.getpid(), int(_SIGKILL)
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(128 + sigkill)
+
+    return preexec
+
+
+_GUARD_SOURCE = """\
+import os, signal, sys
+if sys.stdin.buffer.read() != b"done":
+    for pgid in sys.argv[1:]:
+        try:
+            os.killpg(int(pgid), signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+def _start_guard(pgids: Sequence[int]) -> subprocess.Popen | None:
+    """Start a watchdog that SIGKILLs the ranks' process groups if the
+    launcher dies without dismissing it (SIGKILL, a crash): the death signal
+    kills the ranks, this kills what they started. ``None`` if unavailable."""
+    if not hasattr(os, "killpg") or not sys.executable:
+        return None
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARD_SOURCE, *map(str, pgids)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except OSError:
+        return None
+
+
+def _dismiss_guard(guard: subprocess.Popen | None) -> None:
+    """Tell the watchdog the ranks are taken care of, and reap it."""
+    if guard is None or guard.stdin is None:
+        return
+    with contextlib.suppress(OSError):
+        guard.stdin.write(b"done")
+    with contextlib.suppress(OSError):
+        guard.stdin.close()
+    try:
+        guard.wait(timeout=REAP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        guard.kill()
+        guard.wait()
+
+
+def _spawn_all(cmd: Sequence[str], envs: Sequence[dict[str, str]]) -> list[subprocess.Popen]:
+    """Start one process per environment, each in its own session."""
+    # preexec_fn is unsafe once threads exist; then the watchdog alone covers
+    # the launcher's death.
+    preexec = _die_with_parent() if threading.active_count() == 1 else None
+    procs: list[subprocess.Popen] = []
+    try:
+        for env in envs:
+            procs.append(
+                subprocess.Popen(
+                    list(cmd),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
+            )
+    except (OSError, subprocess.SubprocessError) as e:
+        _stop(procs, 0.0, [])
+        for proc in procs:
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise LaunchError(
+            f"could not start rank {len(procs)} of {len(envs)}: {shlex.join(cmd)}: {reason}"
+        ) from e
+    return procs
+
+
+def _exit_status(proc: subprocess.Popen) -> int | None:
+    """The rank's return code if it has exited, else ``None``, *without*
+    reaping it (so its pid, which is its process group id, stays reserved)."""
+    if proc.returncode is not None:
+        return proc.returncode
+    if not hasattr(os, "waitid"):
+        return proc.poll()
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped behind our back
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _signal_rank(proc: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` once to the rank's process group, and to the rank
+    itself if it left that group."""
+    if proc.returncode is not None:  # reaped: the pid may belong to someone else now
+        return
+    if not hasattr(os, "killpg"):
+        with contextlib.suppress(OSError):
+            proc.send_signal(signum)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(proc.pid) != proc.pid:
+            os.kill(proc.pid, signum)
+
+
+def _live_groups(pgids: set[int]) -> set[int] | None:
+    """The process groups in ``pgids`` with a live (not zombie) member, read
+    from ``/proc``; ``None`` where ``/proc`` cannot tell (non-Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    live = set()
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) "
+        if len(fields) > 2 and int(fields[2]) in pgids and fields[0] not in (b"Z", b"X"):
+            live.add(int(fields[2]))
+    return live
+
+
+def _stop(
+    procs: Sequence[subprocess.Popen], grace: float, received: list[int], seen: int | None = None
+) -> None:
+    """Stop every rank and its process group: SIGTERM, wait up to ``grace``
+    seconds, SIGKILL, wait for the groups to empty, reap. A stop signal beyond the first ``seen`` ones (by
+    default, those already received) ends the wait at once."""
+    for proc in procs:
+        _signal_rank(proc, signal.SIGTERM)
+    deadline, seen = time.monotonic() + grace, len(received) if seen is None else seen
+    while time.monotonic() < deadline and len(received) <= seen:
+        if all(_exit_status(proc) is not None for proc in procs) and not _live_groups(
+            {proc.pid for proc in procs}
+        ):
+            break
+        time.sleep(POLL_S)
+    for proc in procs:  # unreaped ranks keep their group ids reserved, so this is safe
+        _signal_rank(proc, _SIGKILL)
+    deadline = time.monotonic() + REAP_TIMEOUT_S  # until the killed are really gone
+    while _live_groups({proc.pid for proc in procs}) and time.monotonic() < deadline:
+        time.sleep(POLL_S / 5)
+    _reap(procs)
+
+
+def _reap(procs: Sequence[subprocess.Popen]) -> None:
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=REAP_TIMEOUT_S)
+
+
+def _supervise(
+    procs: Sequence[subprocess.Popen], received: list[int], grace: float, sink: Sink
+) -> _Outcome:
+    """Wait until every rank exited 0, a rank failed, or a stop signal came;
+    stop what is left; reap every rank."""
+    exited: dict[int, int] = {}
+    while True:
+        if received:
+            signum = received[0]
+            running = len(procs) - len(exited)
+            sink.message(
+                f"shardax launch: got {signal.Signals(signum).name}, stopping {running} "
+                f"running rank(s) (SIGTERM, SIGKILL after {grace:g} s)"
+            )
+            _stop(procs, grace, received, seen=1)  # a second signal: SIGKILL now
+            return _Outcome(signum=signum)
+        failures = []
+        for rank, proc in enumerate(procs):
+            if rank not in exited and (code := _exit_status(proc)) is not None:
+                exited[rank] = code
+                if code != 0:
+                    failures.append((rank, code))
+        if failures:
+            rank, code = failures[0]
+            running = len(procs) - len(exited)
+            stopping = f"; stopping {running} other running rank(s)" if running else ""
+            sink.message(
+                f"shardax launch: rank {rank} failed ({describe_returncode(code)}){stopping}"
+            )
+            _stop(procs, grace, received)
+            return _Outcome(failures=tuple(failures))
+        if len(exited) == len(procs):
+            live = _live_groups({proc.pid for proc in procs})
+            if live:  # a rank exited 0 but left children in its group
+                left = [rank for rank, proc in enumerate(procs) if proc.pid in live]
+                sink.message(f"shardax launch: stopping processes left behind by rank(s) {left}")
+                _stop(procs, grace, received)
+            _reap(procs)
+            return _Outcome()
+        time.sleep(POLL_S)

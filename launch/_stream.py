@@ -1,0 +1,280 @@
+"""Rank output: re-emit every line of a rank prefixed ``[rank k] ``, and keep
+the tail of its stderr so a failure can be reported with its traceback.
+
+One :class:`Sink` (one lock) serializes all writes of the launcher, so lines
+of different ranks never interleave within a line. Each rank has two reader
+threads (stdout, stderr) that drain its pipes even when its output is not
+shown, so a rank never blocks on a full pipe.
+
+>>> lines = ["step 1", "Traceback (most recent call last):", '  File "t.py", line 1',
+...          "ValueError: boom"]
+>>> extract_traceback(lines)[-1]
+'ValueError: boom'
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import IO, Literal
+
+__all__ = [
+    "RankOutput",
+    "Sink",
+    "describe_returncode",
+    "exit_code",
+    "extract_traceback",
+    "format_failure",
+]
+
+TRACEBACK_HEAD = "Traceback (most recent call last):"
+_GROUP_HEAD = "Exception Group Traceback (most recent call last):"
+_CHAIN_LINES = frozenset(
+    {
+        "During handling of the above exception, another exception occurred:",
+        "The above exception was the direct cause of the following exception:",
+    }
+)
+MAX_LINE_BYTES = 64 * 1024  # a longer line is re-emitted in pieces of this size
+TAIL_LINES = 1000  # stderr lines remembered per rank
+STDERR_LINES_WITHOUT_TRACEBACK = 20  # shown for a failed rank that printed no traceback
+
+Which = Literal["stdout", "stderr"]
+
+
+class Sink:
+    """The launcher's output: ``stdout`` and ``stderr`` behind one lock.
+
+    The streams are looked up on ``sys`` at each write unless given, so
+    captured output (pytest's ``capsys``, doctest) sees the ranks' lines. A
+    stream that is closed or whose reader went away (``| head``) is dropped
+    silently; the ranks keep running.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> Sink(stdout=out).write("stdout", b"[rank 0] hi\\n")
+    >>> out.getvalue()
+    '[rank 0] hi\\n'
+    """
+
+    def __init__(self, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> None:
+        self._streams = {"stdout": stdout, "stderr": stderr}
+        self._broken: set[str] = set()
+        self._lock = threading.Lock()
+
+    def write(self, which: Which, data: bytes) -> None:
+        """Write ``data`` (whole lines) to ``which`` and flush, atomically."""
+        with self._lock:
+            if which in self._broken:
+                return
+            stream = self._streams[which] or getattr(sys, which)
+            try:
+                buffer = getattr(stream, "buffer", None)
+                if buffer is not None:  # bytes as the rank wrote them, no re-encoding
+                    stream.flush()
+                    buffer.write(data)
+                    buffer.flush()
+                else:
+                    stream.write(data.decode("utf-8", "replace"))
+                    stream.flush()
+            except (OSError, ValueError):  # closed, or a broken pipe
+                self._broken.add(which)
+
+    def message(self, text: str) -> None:
+        """Write the launcher's own ``text`` to stderr, ending it with a newline."""
+        self.write("stderr", (text.rstrip("\n") + "\n").encode("utf-8", "replace"))
+
+
+class RankOutput:
+    """The reader threads of one rank, and the tail of its stderr.
+
+    Args:
+        rank: The rank, used in the ``[rank k] `` prefix.
+        stdout: The read end of the rank's stdout pipe (binary).
+        stderr: The read end of the rank's stderr pipe (binary).
+        sink: Where lines go.
+        show: Whether this rank's lines are re-emitted; the stderr tail is
+            kept either way.
+    """
+
+    def __init__(
+        self, rank: int, stdout: IO[bytes], stderr: IO[bytes], *, sink: Sink, show: bool
+    ) -> None:
+        self.rank = rank
+        self._tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._tail_lock = threading.Lock()
+        prefix = f"[rank {rank}] ".encode()
+        self._threads = [
+            threading.Thread(
+                target=self._pump,
+                args=(pipe, which, prefix, sink, show),
+                name=f"shardax-launch-rank{rank}-{which}",
+                daemon=True,  # a pipe held open by an escaped process must not block exit
+            )
+            for pipe, which in ((stdout, "stdout"), (stderr, "stderr"))
+        ]
+
+    def start(self) -> None:
+        """Start reading. Call only after every rank is spawned (see ``_launcher``)."""
+        for thread in self._threads:
+            thread.start()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for both pipes to reach end of file;
+        return whether they did."""
+        for thread in self._threads:
+            thread.join(timeout)
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def stderr_tail(self) -> list[str]:
+        """The last stderr lines of this rank (without line endings)."""
+        with self._tail_lock:
+            return list(self._tail)
+
+    def _pump(self, pipe: IO[bytes], which: Which, prefix: bytes, sink: Sink, show: bool) -> None:
+        try:
+            while line := pipe.readline(MAX_LINE_BYTES):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                if which == "stderr":
+                    text = line.decode("utf-8", "replace").rstrip("\r\n")
+                    with self._tail_lock:
+                        self._tail.append(text)
+                if show:
+                    sink.write(which, prefix + line)
+        except (OSError, ValueError):  # the pipe was closed under us
+            pass
+        finally:
+            pipe.close()
+
+
+def _is_head(line: str) -> bool:
+    return line.startswith(TRACEBACK_HEAD) or line.lstrip(" +").startswith(_GROUP_HEAD)
+
+
+def _last_head(lines: Sequence[str], end: int) -> int | None:
+    for i in range(end - 1, -1, -1):
+        if _is_head(lines[i]):
+            return i
+    return None
+
+
+def extract_traceback(lines: Sequence[str]) -> list[str]:
+    """The last Python traceback in ``lines`` through to the end, with the
+    exceptions chained to it (``During handling of the above exception...``).
+
+    Args:
+        lines: Stderr lines of one rank, oldest first.
+
+    Returns:
+        The lines from the traceback's first ``Traceback (most recent call
+        last):`` to the end, or ``[]`` when there is no traceback.
+
+    >>> extract_traceback(["Traceback (most recent call last):", "KeyError: 1", "",
+    ...                    "During handling of the above exception, another exception occurred:",
+    ...                    "", "Traceback (most recent call last):", "ValueError: 2"])[:2]
+    ['Traceback (most recent call last):', 'KeyError: 1']
+    >>> extract_traceback(["Segmentation fault"])
+    []
+    """
+    lines = list(lines)
+    start = _last_head(lines, len(lines))
+    if start is None:
+        return []
+    while True:
+        j = start - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        if j < 0 or lines[j].strip() not in _CHAIN_LINES:
+            break
+        previous = _last_head(lines, j)
+        if previous is None:
+            break
+        start = previous
+    return lines[start:]
+
+
+def exit_code(returncode: int) -> int:
+    """The shell's exit code for a ``subprocess`` return code: the code
+    itself, or 128 + N for a process killed by signal N.
+
+    >>> exit_code(3), exit_code(-9), exit_code(-15)
+    (3, 137, 143)
+    """
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def describe_returncode(returncode: int | None) -> str:
+    """How a process ended, in words, from its ``subprocess`` return code.
+
+    >>> describe_returncode(3), describe_returncode(-9)
+    ('exit code 3', 'killed by SIGKILL (exit code 137)')
+    """
+    if returncode is None:
+        return "still running"
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"killed by {name} (exit code {exit_code(returncode)})"
+
+
+def format_failure(
+    failures: Sequence[tuple[int, int]],
+    returncodes: Mapping[int, int | None],
+    stderr_tail: Sequence[str],
+    cmd: Sequence[str],
+) -> str:
+    """The summary printed when ranks failed.
+
+    Args:
+        failures: ``(rank, returncode)`` of the ranks that failed on their
+            own, the first failure first.
+        returncodes: The final return code of every rank.
+        stderr_tail: The last stderr lines of the first failed rank.
+        cmd: The command the ranks ran.
+
+    Returns:
+        Lines naming the failed rank and how it ended, the other ranks, the
+        command, and the rank's traceback (or its last stderr lines).
+
+    >>> print(format_failure([(1, 1)], {0: -15, 1: 1},
+    ...       ["Traceback (most recent call last):", "ValueError: boom"], ["python", "t.py"]))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    ========================================================================
+    shardax launch: rank 1 failed first: exit code 1
+      other ranks: rank 0: killed by SIGTERM (exit code 143)
+      command: python t.py
+      traceback of rank 1:
+    Traceback (most recent call last):
+    ValueError: boom
+    ========================================================================
+    """
+    rank, code = failures[0]
+    lines = ["=" * 72, f"shardax launch: rank {rank} failed first: {describe_returncode(code)}"]
+    if code == -getattr(signal, "SIGKILL", 9):
+        lines.append("  (a SIGKILL nobody sent is often the out-of-memory killer: see dmesg)")
+    lines += [f"  also failed: rank {r}: {describe_returncode(c)}" for r, c in failures[1:]]
+    failed = {r for r, _ in failures}
+    others = [
+        f"rank {r}: {describe_returncode(c)}" for r, c in returncodes.items() if r not in failed
+    ]
+    if others:
+        lines.append("  other ranks: " + "; ".join(others))
+    lines.append(f"  command: {shlex.join(cmd)}")
+    traceback = extract_traceback(stderr_tail)
+    if traceback:
+        lines += [f"  traceback of rank {rank}:", *traceback]
+    elif stderr_tail:
+        tail = list(stderr_tail)[-STDERR_LINES_WITHOUT_TRACEBACK:]
+        lines += [f"  no Python traceback; last {len(tail)} stderr line(s) of rank {rank}:", *tail]
+    else:
+        lines.append(f"  rank {rank} wrote nothing to stderr")
+    lines.append("=" * 72)
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Collectives fail clearly: bad arguments, a missing mesh, and a collective
+some rank never reaches — a timeout that names the ranks that did not arrive
+(and what they are waiting in), never a silent hang."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import shardax as sx
+from shardax import CollectiveError, CollectiveTimeoutError
+from shardax import collectives as C
+
+
+def test_collectives_need_a_mesh():
+    with pytest.raises(
+        CollectiveError, match=r"psum needs a mesh: pass mesh=\.\.\. or call it inside `with mesh:`"
+    ):
+        C.psum(torch.ones(2), "dp")
+
+
+def test_bad_arguments_raise_collective_error():
+    mesh = sx.Mesh({"dp": 1})
+    with mesh:
+        with pytest.raises(CollectiveError, match="needs a floating dtype"):
+            C.pmean(torch.ones(2, dtype=torch.int64), "dp")
+        with pytest.raises(CollectiveError, match="perm"):
+            C.ppermute(torch.ones(2), "dp", [(0, 1)])
+        with pytest.raises(CollectiveError, match="2 sizes for 1 members"):
+            C.all_gather(torch.ones(2), "dp", sizes=(1, 1))
+        with pytest.raises(CollectiveError, match="has length 2 along dim 0"):
+            C.all_gather(torch.ones(2), "dp", sizes=(3,))
+        with pytest.raises(CollectiveError, match="must have one entry per rank"):
+            C.psum_scatter(torch.ones(3), "dp", tiled=False)
+        with pytest.raises(CollectiveError, match="dim 2 is out of range"):
+            C.all_gather(torch.ones(2, 2), "dp", 2)
+        with pytest.raises(CollectiveError, match="split_dim and concat_dim must differ"):
+            C.all_to_all(torch.ones(2, 2), "dp", 0, 0)
+        with pytest.raises(CollectiveError, match=r"src 2 is not in 0\.\.0"):
+            C.broadcast(torch.ones(2), "dp", src=2)
+        with pytest.raises(sx.MeshError, match="unknown mesh axis 'tp'"):
+            C.psum(torch.ones(2), "tp")
+
+
+def test_unknown_backend_is_named(monkeypatch):
+    monkeypatch.setenv("SHARDAX_BACKEND", "mpi")
+    with pytest.raises(CollectiveError, match=r"unknown collective backend 'mpi'.*\('torch',\)"):
+        C.get_backend()
+
+
+def _skip_a_collective() -> str | None:
+    mesh = sx.Mesh({"x": -1}, timeout=2.0)
+    C.psum(torch.ones(1), "x", mesh=mesh)  # everyone arrives at #0
+    if mesh.rank == 1:
+        return None  # rank 1 skips collective #1 (rank-local control flow)
+    try:
+        C.psum(torch.ones(1), "x", mesh=mesh)
+    except CollectiveTimeoutError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.world_size(2)
+def test_a_skipped_collective_times_out_naming_the_missing_rank():
+    messages = run_ranks(_skip_a_collective, world_size=2, reset=True)
+    text = messages[0]
+    assert "psum over axis 'x' of Mesh({'x': 2}) (collective #1 on ranks [0, 1])" in text
+    assert "did not complete within 2 s on rank 0" in text
+    assert "Ranks that did not arrive: [1]" in text and "ranks that arrived: [0]" in text
+    assert messages[1] is None
+
+
+def _stuck_elsewhere() -> str | None:
+    mesh = sx.Mesh({"x": 2, "y": 2}, timeout=2.0)
+    if mesh.rank == 0:  # waits for rank 2 along x
+        try:
+            C.psum(torch.ones(1), "x", mesh=mesh)
+        except CollectiveTimeoutError as err:
+            return str(err)
+    if mesh.rank == 2:  # waits for rank 3 along y, which never comes
+        try:
+            C.all_gather(torch.ones(1), "y", sizes=(1, 1), mesh=mesh)
+        except CollectiveTimeoutError as err:
+            return str(err)
+    return None
+
+
+@pytest.mark.world_size(4)
+def test_a_timeout_says_where_the_missing_rank_is_waiting():
+    messages = run_ranks(_stuck_elsewhere, world_size=4, reset=True)
+    assert (
+        "Ranks that did not arrive: [2] (rank 2 is waiting in all_gather over axis 'y'"
+        in messages[0]
+    )
+    assert "Ranks that did not arrive: [3]" in messages[2]
+    assert messages[1] is None and messages[3] is None
