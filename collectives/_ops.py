@@ -209,24 +209,23 @@ class AllToAll(Op):
         _check_len("all_to_all", g, x, self.concat_dim, self.concat_sizes[g.index])
         if n == 1:
             return Handle.ready(x)
-        xd = x.detach()
-        pieces = torch.split(xd, list(self.split_sizes), dim=self.split_dim)
-        send = torch.cat([p.reshape(-1) for p in pieces])
-        shapes = []
-        for j in range(n):
-            shape = list(x.shape)
-            shape[self.split_dim] = self.split_sizes[g.index]
-            shape[self.concat_dim] = self.concat_sizes[j]
-            shapes.append(shape)
-        out_splits = [math.prod(s) for s in shapes]
-        in_splits = [p.numel() for p in pieces]
+        # Split dim first: the pieces are contiguous runs of one buffer (no copy
+        # at all when split_dim is 0 and x is contiguous).
+        xs = x.detach().movedim(self.split_dim, 0)
+        send = xs.contiguous().view(-1)
+        rest = list(xs.shape[1:])
+        cd = self.concat_dim - (self.concat_dim > self.split_dim)  # concat dim within rest
+        row = math.prod(rest[:cd] + rest[cd + 1 :])  # elements per unit of concat dim
+        in_splits = [s * math.prod(rest) for s in self.split_sizes]
+        mine = self.split_sizes[g.index]
+        shapes = [[mine, *rest[:cd], c, *rest[cd + 1 :]] for c in self.concat_sizes]
+        out_splits = [mine * row * c for c in self.concat_sizes]
         out = send.new_empty(sum(out_splits))
 
         def finish() -> torch.Tensor:
             parts = torch.split(out, out_splits)
-            return torch.cat(
-                [p.view(s) for p, s in zip(parts, shapes, strict=True)], dim=self.concat_dim
-            )
+            blocks = [p.view(s) for p, s in zip(parts, shapes, strict=True)]
+            return torch.cat(blocks, dim=1 + cd).movedim(0, self.split_dim)
 
         return start(
             g, "all_to_all", lambda b: b.all_to_all(out, send, out_splits, in_splits, g), finish
@@ -302,7 +301,8 @@ class Reduce(Op):
 
 @attrs.frozen
 class Slice(Op):
-    """Keep this member's piece of ``dim`` (pieces ``sizes``). Local."""
+    """Keep this member's piece of ``dim`` (pieces ``sizes``). Local; the piece
+    is a copy, so the whole input can be freed."""
 
     dim: int
     sizes: tuple[int, ...]
@@ -311,8 +311,11 @@ class Slice(Op):
     def start(self, x: torch.Tensor) -> Handle:
         g = self.group
         _check_len("slice", g, x, self.dim, sum(self.sizes))
+        if self.sizes[g.index] == x.size(self.dim):
+            return Handle.ready(x)
         off = _offsets(self.sizes)[g.index]
-        return Handle.ready(x.narrow(self.dim, off, self.sizes[g.index]))
+        piece = x.narrow(self.dim, off, self.sizes[g.index])
+        return Handle.ready(piece.clone(memory_format=torch.contiguous_format))
 
 
 @attrs.frozen

@@ -21,6 +21,10 @@ from ._group import Group
 
 __all__ = ["TORCH_BACKEND", "TorchBackend"]
 
+# torch 2.13 renamed the flat collectives; older releases have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -41,9 +45,9 @@ class TorchBackend:
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
         if group.in_torch_order:
-            return Pending([dist.all_gather_single(out, x, group=group.pg, async_op=True)])
+            return Pending([_all_gather_flat(out, x, group=group.pg, async_op=True)])
         tmp = torch.empty_like(out)
-        work = dist.all_gather_single(tmp, x, group=group.pg, async_op=True)
+        work = _all_gather_flat(tmp, x, group=group.pg, async_op=True)
 
         def after() -> None:
             rows, tmp_rows = out.view(group.size, -1), tmp.view(group.size, -1)
@@ -55,7 +59,7 @@ class TorchBackend:
         if not group.in_torch_order:
             x = _member_rows(x, group)
         if _backend_name(group) != "gloo":
-            work = dist.reduce_scatter_single(out, x, group=group.pg, async_op=True)
+            work = _reduce_scatter_flat(out, x, group=group.pg, async_op=True)
             return Pending([work])
         recv = torch.empty_like(x)
         work = dist.all_to_all_single(recv, x, group=group.pg, async_op=True)

@@ -1,8 +1,9 @@
-"""The README's main job and the conformance script run green under
+"""The README's main job, the conformance script and the benchmarks run under
 ``shardax launch`` in fresh processes, as a user runs them."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,19 @@ def test_conformance_suite_on_four_ranks():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[rank 0] conformance: 10 checks" in done.stdout
     assert "Mesh({'x': 4}), Mesh({'x': 2, 'y': 2}) (4 ranks, backend torch)" in done.stdout
+
+
+def test_collectives_benchmark_smoke(tmp_path):
+    out = tmp_path / "collectives.json"
+    done = launch(
+        "--nproc-per-node", "2", "benchmarks/collectives.py", "--smoke", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["benchmark"] == "collectives"
+    ops = {r["op"] for r in result["results"]}
+    assert ops == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    for r in result["results"]:
+        assert (
+            r["torch_s"] > 0 and r["shardax_s"] > 0 and r["ratio"] == r["torch_s"] / r["shardax_s"]
+        )

@@ -4,6 +4,9 @@ diff here (as torchtitan's test_no_new_cli_options does)."""
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 
 import click
 
@@ -139,3 +142,16 @@ def _options(command: click.Command, prefix: str) -> dict[str, list[str]]:
 
 def test_cli_options_are_frozen():
     assert _options(main, "shardax") == CLI
+
+
+def test_import_needs_no_gpu_cupy_or_compiler():
+    code = (
+        "import sys, shardax, shardax.cli;"
+        "bad = [m for m in ('cupy', 'cupy_backends', 'triton') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "CC": "/nonexistent", "CXX": "/nonexistent"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
