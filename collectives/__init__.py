@@ -2,7 +2,8 @@
 
 ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
 ``all_to_all``, ``ppermute``, ``broadcast``, ``axis_index``, ``axis_size``,
-``barrier``; ``async_op=True`` for overlap. Their autograd transposes are one
+``barrier``; ``async_op=True`` for overlap; ``count_once`` for a loss every
+rank computes identically. Their autograd transposes are one
 table (:mod:`shardax.collectives._ops`). Backends sit behind one small
 interface (:class:`Backend`); ``torch`` (gloo on CPU, NCCL on GPU) is the
 reference. ``SHARDAX_BACKEND`` chooses.
@@ -16,6 +17,7 @@ from ._api import axis_index as axis_index
 from ._api import axis_size as axis_size
 from ._api import barrier as barrier
 from ._api import broadcast as broadcast
+from ._api import count_once as count_once
 from ._api import pmax as pmax
 from ._api import pmean as pmean
 from ._api import pmin as pmin
@@ -44,6 +46,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "chunk_sizes",
+    "count_once",
     "get_backend",
     "pmax",
     "pmean",

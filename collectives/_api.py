@@ -9,6 +9,7 @@ gives the (still differentiable) result.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from ._ops import (
     AllReduce,
     AllToAll,
     Broadcast,
+    Mask,
     Op,
     Permute,
     ReduceScatter,
@@ -39,6 +41,7 @@ __all__ = [
     "axis_size",
     "barrier",
     "broadcast",
+    "count_once",
     "pmax",
     "pmean",
     "pmin",
@@ -51,9 +54,13 @@ Axis = str | tuple[str, ...]
 
 
 def _resolve_mesh(mesh: Any, what: str) -> Any:
+    from ..mesh._mesh import Mesh
+
     mesh = mesh if mesh is not None else _context.current()
     if mesh is None:
         raise CollectiveError(f"{what} needs a mesh: pass mesh=... or call it inside `with mesh:`")
+    if not isinstance(mesh, Mesh):
+        raise CollectiveError(f"{what} runs on a live Mesh, not {mesh!r}")
     return mesh
 
 
@@ -64,11 +71,11 @@ def _group(axis: Axis | Iterable[str] | None, mesh: Any, what: str) -> Group:
 
 
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
-    if not -x.dim() <= dim < max(x.dim(), 1):
+    if not -x.dim() <= dim < x.dim():
         raise CollectiveError(
             f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}"
         )
-    return dim % max(x.dim(), 1)
+    return dim % x.dim()
 
 
 class _Collective(torch.autograd.Function):
@@ -118,9 +125,27 @@ def _run(x: torch.Tensor, op: Op, async_op: bool) -> Any:
     return AsyncResult(x, op) if async_op else _Collective.apply(x, op, None)
 
 
-def _exchange(length: int, group: Group, device: torch.device) -> tuple[int, ...]:
-    t = torch.tensor([length], dtype=torch.int64, device=device)
-    return tuple(int(v) for v in AllGather(group, 0, (1,) * group.size).run(t).tolist())
+_MAX_DIMS = 16
+
+
+def _exchange(x: torch.Tensor, dim: int, group: Group, what: str) -> tuple[int, ...]:
+    """Every member's length along ``dim``, checking on the way that the
+    members agree on dtype and on every other dim (a mismatch would make the
+    backend return garbage or abort)."""
+    if x.dim() > _MAX_DIMS:
+        raise CollectiveError(f"{what}: tensors of more than {_MAX_DIMS} dims are not supported")
+    meta = [zlib.crc32(str(x.dtype).encode()), x.dim(), *x.shape, *[0] * (_MAX_DIMS - x.dim())]
+    meta[2 + dim] = -1  # the dim that may differ
+    t = torch.tensor([x.size(dim), *meta], dtype=torch.int64, device=x.device)
+    rows = AllGather(group, 0, (1,) * group.size).run(t[None]).tolist()
+    if any(r[1:] != rows[0][1:] for r in rows):
+        shapes = {group.members[i]: (tuple(r[3 : 3 + r[2]]), r[1]) for i, r in enumerate(rows)}
+        raise CollectiveError(
+            f"{what} over {group.label}: the ranks disagree on dtype or on dims other than dim "
+            f"{dim} (rank: (shape with -1 at dim {dim}, dtype hash)): {shapes}; rank "
+            f"{group.rank} has {x.dtype}"
+        )
+    return tuple(int(r[0]) for r in rows)
 
 
 # -- reductions ---------------------------------------------------------------
@@ -129,7 +154,9 @@ def _exchange(length: int, group: Group, device: torch.device) -> tuple[int, ...
 def psum(x: torch.Tensor, axis: Axis, *, mesh: Any = None, async_op: bool = False) -> Any:
     """Sum ``x`` over the ranks along ``axis``; every rank gets the sum.
 
-    Backward: psum of the cotangent (see :mod:`shardax.collectives._ops`).
+    Backward: psum of the cotangent (see :mod:`shardax.collectives._ops`) —
+    so a loss computed from the sum identically on every rank goes through
+    :func:`count_once` before ``backward()``.
 
     >>> import torch, shardax as sx
     >>> with sx.Mesh({"dp": -1}):
@@ -205,7 +232,10 @@ def all_gather(
 
     Pieces may have different lengths along ``dim`` (empty ones too). Unless
     ``sizes`` (every member's length) is given, the lengths are exchanged
-    first — one tiny extra collective. Backward: psum_scatter.
+    first — one tiny extra, blocking collective, which also checks that the
+    ranks agree on dtype and the other dims; pass ``sizes`` for a fully
+    asynchronous ``async_op=True`` (they are then trusted). Backward:
+    psum_scatter.
 
     >>> import torch, shardax as sx
     >>> with sx.Mesh({"dp": 1}):
@@ -214,12 +244,17 @@ def all_gather(
     """
     group = _group(axis, mesh, "all_gather")
     if not tiled:
+        if not -x.dim() - 1 <= dim <= x.dim():
+            raise CollectiveError(
+                f"all_gather(tiled=False): dim {dim} is out of range for a new dim of a tensor "
+                f"of shape {tuple(x.shape)}"
+            )
         x = x.unsqueeze(dim)
         dim, sizes = _dim(x, dim, "all_gather"), (1,) * group.size
     else:
         dim = _dim(x, dim, "all_gather")
     if sizes is None:
-        sizes = _exchange(x.size(dim), group, x.device) if group.size > 1 else (x.size(dim),)
+        sizes = _exchange(x, dim, group, "all_gather") if group.size > 1 else (x.size(dim),)
     if len(sizes) != group.size:
         raise CollectiveError(
             f"all_gather over {group.label}: {len(sizes)} sizes for {group.size} members"
@@ -290,7 +325,7 @@ def all_to_all(
     split_dim, concat_dim = _dim(x, split_dim, "all_to_all"), _dim(x, concat_dim, "all_to_all")
     if concat_sizes is None:
         if group.size > 1:
-            concat_sizes = _exchange(x.size(concat_dim), group, x.device)
+            concat_sizes = _exchange(x, concat_dim, group, "all_to_all")
         else:
             concat_sizes = (x.size(concat_dim),)
     op = AllToAll(
@@ -341,6 +376,39 @@ def broadcast(
             f"broadcast over {group.label}: src {src} is not in 0..{group.size - 1}"
         )
     return _run(x, Broadcast(group, src), async_op)
+
+
+class _CountOnce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _Collective.apply(g, Mask(ctx.group), None), None
+
+
+def count_once(x: torch.Tensor, axis: Axis | None = None, *, mesh: Any = None) -> torch.Tensor:
+    """Declare that ``x`` is identical on every rank along ``axis`` (all axes
+    when None), so that its gradient is counted once, not once per rank.
+
+    Returns ``x`` unchanged; backward keeps the cotangent on the rank at index
+    0 and gives the others zeros. shardax's gradients are contributions that
+    sum over ranks (see :mod:`shardax.collectives._ops`), so a loss that every
+    rank computes identically — after ``psum``/``pmean``/``all_gather``, or in
+    tensor-parallel regions — must pass through ``count_once`` before
+    ``.backward()``; otherwise its gradient is multiplied by the number of ranks.
+
+    >>> import torch, shardax as sx
+    >>> mesh = sx.Mesh({"dp": -1})
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> total = sx.collectives.psum(w.sum(), "dp", mesh=mesh)   # the same on every rank
+    >>> sx.collectives.count_once(total, mesh=mesh).backward()
+    >>> w.grad
+    tensor([1., 1., 1.])
+    """
+    return _CountOnce.apply(x, _group(axis, mesh, "count_once"))
 
 
 # -- indices and synchronization -----------------------------------------------

@@ -138,7 +138,7 @@ def start(
     seq = state.seq
     state.seq += 1
     try:
-        pending = launch(get_backend())
+        pending = launch(state.backend)
     except CollectiveError:
         raise
     except Exception as err:

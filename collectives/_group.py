@@ -20,12 +20,13 @@ class PGState:
     tells which ranks reached it.
     """
 
-    __slots__ = ("pg", "ranks", "seq", "timeout")
+    __slots__ = ("backend", "pg", "ranks", "seq", "timeout")
 
-    def __init__(self, pg: Any, ranks: tuple[int, ...], timeout: float) -> None:
+    def __init__(self, pg: Any, ranks: tuple[int, ...], timeout: float, backend: Any) -> None:
         self.pg = pg
         self.ranks = ranks  # sorted global ranks: torch's group rank order
         self.timeout = timeout
+        self.backend = backend  # chosen once, when the group is made
         self.seq = 0
 
 

@@ -22,7 +22,13 @@ reduce(root)      broadcast(root)
 slice (my piece)  pad (my piece in zeros)
 pad               slice
 mask (index 0)    mask
+redistribute      the redistribution back, adding (``shard/``)
 ================  ==================================================
+
+``pmax``/``pmin`` are not linear: their backward (to the ranks holding the
+extremum, ties split) is written out in ``_api``; ``count_once`` (identity
+forward, mask backward) is the one op that changes how a cotangent is
+represented rather than transposing a map.
 
 In layout terms the cotangent of a replicated value is partial and the
 cotangent of a partial value is replicated, so a transfer's backward is the
@@ -33,8 +39,8 @@ seeded on one rank (or scaled), never summed over ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -260,6 +266,8 @@ class Permute(Op):
         if (me, me) in self.perm:
             out.copy_(x.detach())
         if not sends and not recvs:
+            if g.state is not None:
+                g.state.seq += 1  # keep collective numbers in step across the group
             return Handle.ready(out)
         return start(g, "ppermute", lambda b: b.send_recv(sends, recvs, g), lambda: out)
 
@@ -350,7 +358,7 @@ def _inverse(perm: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     return tuple((d, s) for s, d in perm)
 
 
-_TRANSPOSE = {
+_TRANSPOSE: dict[type, Callable[[Any], Op | None]] = {
     AllReduce: lambda op: op if op.reduce in ("sum", "mean") else None,
     AllGather: lambda op: ReduceScatter(op.group, op.dim, op.sizes),
     ReduceScatter: lambda op: AllGather(op.group, op.dim, op.sizes),
@@ -366,6 +374,11 @@ _TRANSPOSE = {
 }
 
 
+def register_transpose(cls: type[Op], rule: Callable[[Op], Op | None]) -> None:
+    """Add an op defined outside this module (e.g. ``Redistribute``) to the table."""
+    _TRANSPOSE[cls] = rule
+
+
 def transpose(op: Op) -> Op:
     """The op whose forward is the linear transpose of ``op``'s (the table above).
 
@@ -378,7 +391,7 @@ def transpose(op: Op) -> Op:
     'ReduceScatter'
     """
     rule = _TRANSPOSE.get(type(op))
-    result = rule(op) if rule is not None else getattr(op, "transpose", lambda: None)()
+    result = rule(op) if rule is not None else None
     if result is None:
         raise CollectiveError(f"{op.name} is not linear and has no transpose")
     return result

@@ -269,25 +269,76 @@ def check_broadcast(c: _Ctx) -> None:
         )
 
 
-def check_async(c: _Ctx) -> None:
-    x = c.mine((2, 3))
-    h1 = C.psum(x, c.axes, mesh=c.mesh, async_op=True)
-    h2 = C.all_gather(x, c.axes, 1, sizes=(3,) * c.n, mesh=c.mesh, async_op=True)
-    y1, y2 = h1.wait(), h2.wait()
-    inputs = [_np(c.value(m, (2, 3))) for m in range(c.n)]
-    _check(f"psum async {c.tag}", y1, sum(inputs), c.dtype)
-    _check(f"all_gather async {c.tag}", y2, np.concatenate(inputs, axis=1), c.dtype)
+def _async_ops(c: _Ctx) -> list[tuple[str, Callable[..., object]]]:
+    n, kw = c.n, {"mesh": c.mesh}
+    ops: list[tuple[str, Callable[..., object]]] = [
+        ("psum", lambda x, a: C.psum(x, c.axes, async_op=a, **kw)),
+        ("all_gather", lambda x, a: C.all_gather(x, c.axes, 1, sizes=(3,) * n, async_op=a, **kw)),
+        ("psum_scatter", lambda x, a: C.psum_scatter(x, c.axes, 0, async_op=a, **kw)),
+        (
+            "all_to_all",
+            lambda x, a: C.all_to_all(x, c.axes, 0, 1, concat_sizes=(3,) * n, async_op=a, **kw),
+        ),
+        (
+            "ppermute",
+            lambda x, a: C.ppermute(
+                x, c.axes, [(i, (i + 1) % n) for i in range(n)], async_op=a, **kw
+            ),
+        ),
+        ("broadcast", lambda x, a: C.broadcast(x, c.axes, src=n - 1, async_op=a, **kw)),
+    ]
     if _floating(c.dtype):
-        cot1 = [_np(c.value(m, (2, 3), salt=1)) for m in range(c.n)]
-        cot2 = [_np(c.value(m, (2, 3 * c.n), salt=2)) for m in range(c.n)]
-        torch.autograd.backward(
-            [y1, y2],
-            [torch.from_numpy(cot1[c.me]).to(c.dtype), torch.from_numpy(cot2[c.me]).to(c.dtype)],
-        )
-        total2 = sum(cot2)
-        expected = sum(cot1) + total2[:, 3 * c.me : 3 * c.me + 3]
-        assert x.grad is not None
-        _check(f"async grads {c.tag}", x.grad, expected, c.dtype)
+        ops.append(("pmean", lambda x, a: C.pmean(x, c.axes, async_op=a, **kw)))
+    return ops
+
+
+def check_async(c: _Ctx) -> None:
+    """Every async collective, all in flight at once, waited in reverse order,
+    gives the values and gradients of its synchronous self."""
+    ops = _async_ops(c)
+    x_async, x_sync = c.mine((c.n, 3)), c.mine((c.n, 3))
+    handles = [fn(x_async, True) for _, fn in ops]
+    outs = [h.wait() for h in reversed(handles)][::-1]  # type: ignore[attr-defined]
+    refs = [fn(x_sync, False) for _, fn in ops]
+    for (name, _), out, ref in zip(ops, outs, refs, strict=True):
+        _check(f"{name} async {c.tag}", out, _np(ref), c.dtype)
+    if _floating(c.dtype):
+        cots = [c.value(c.me, o.shape, salt=10 + k) for k, o in enumerate(outs)]
+        torch.autograd.backward(outs, cots)
+        torch.autograd.backward(refs, cots)
+        _check(f"async grads {c.tag}", x_async.grad, _np(x_sync.grad), c.dtype)
+
+
+def check_strided(c: _Ctx) -> None:
+    """Non-contiguous 3-D inputs, negative dims, and empty pieces."""
+    lengths = [m % 3 for m in range(c.n)]  # some members hold nothing
+
+    def strided(m: int, shape: Sequence[int]) -> torch.Tensor:
+        return c.value(m, shape).permute(2, 0, 1)  # a view with permuted strides
+
+    x = strided(c.me, (2, lengths[c.me], 3))
+    y = C.all_gather(x, c.axes, -1, mesh=c.mesh)
+    full = np.concatenate([_np(strided(m, (2, lengths[m], 3))) for m in range(c.n)], axis=-1)
+    _check(f"all_gather strided {c.tag}", y, full, c.dtype)
+
+    x = strided(c.me, (c.n + 1, 2, 3))  # shape (3, n + 1, 2)
+    y = C.psum_scatter(x, c.axes, -2, mesh=c.mesh)
+    lo, hi = _chunks(c.n + 1, c.n)[c.me]
+    total = sum(_np(strided(m, (c.n + 1, 2, 3))) for m in range(c.n))
+    _check(f"psum_scatter strided {c.tag}", y, total[:, lo:hi], c.dtype)
+
+    concat = [m % 2 for m in range(c.n)]  # empty concat pieces
+    x = strided(c.me, (concat[c.me], 2, 2 * c.n))  # shape (2n, len, 2)
+    y = C.all_to_all(x, c.axes, -3, 1, mesh=c.mesh)
+    parts = [_np(strided(m, (concat[m], 2, 2 * c.n)))[2 * c.me : 2 * c.me + 2] for m in range(c.n)]
+    _check(f"all_to_all strided {c.tag}", y, np.concatenate(parts, axis=1), c.dtype)
+    if _floating(c.dtype):  # gradients equal those of the contiguous input
+        x = strided(c.me, (concat[c.me], 2, 2 * c.n)).requires_grad_()
+        x2 = x.detach().contiguous().requires_grad_()
+        cot = c.value(c.me, (2, sum(concat), 2), salt=3)
+        C.all_to_all(x, c.axes, -3, 1, mesh=c.mesh).backward(cot)
+        C.all_to_all(x2, c.axes, 0, 1, mesh=c.mesh).backward(cot)
+        _check(f"all_to_all strided grad {c.tag}", x.grad, _np(x2.grad), c.dtype)
 
 
 def check_axis_index_and_barrier(c: _Ctx) -> None:
@@ -310,6 +361,7 @@ CHECKS: dict[str, Callable[[_Ctx], None]] = {
     "ppermute": check_ppermute,
     "broadcast": check_broadcast,
     "async": check_async,
+    "strided": check_strided,
     "axis_index_and_barrier": check_axis_index_and_barrier,
 }
 

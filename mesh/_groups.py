@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..collectives._backend import get_backend
 from ..collectives._group import Group, PGState
 from ..errors import MeshError
 from ._runtime import DEFAULT_TIMEOUT
@@ -55,6 +56,7 @@ def create_groups(mesh: Mesh) -> None:
         return
     cache = _CACHE.setdefault(dist.group.WORLD, {})
     timeout = mesh.timeout if mesh.timeout is not None else default_timeout()
+    backend = get_backend()
     names = [a for a, n in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if n > 1]
     for k in range(1, len(names) + 1):
         for axes in itertools.combinations(names, k):
@@ -77,7 +79,7 @@ def create_groups(mesh: Mesh) -> None:
                         ) from err
                     if block == mine:
                         pg = made
-            cache[key] = PGState(pg, mine, timeout)
+            cache[key] = PGState(pg, mine, timeout, backend)
 
 
 def group_along(mesh: Mesh, axes: tuple[str, ...]) -> Group:

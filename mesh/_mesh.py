@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,26 @@ def normalize_axes(axes: str | Iterable[str] | None) -> tuple[str, ...]:
         return ()
     if isinstance(axes, str):
         return (axes,)
-    return tuple(axes)
+    try:
+        names = tuple(axes)
+    except TypeError:
+        names = (axes,)  # type: ignore[assignment]
+    bad = [a for a in names if not isinstance(a, str)]
+    if bad:
+        raise MeshError(
+            f"mesh axes are names (str) or tuples of names; got {axes!r} "
+            "(a tensor dim? collectives take the axis first, then the dim)"
+        )
+    return names
+
+
+def unknown_axis(name: object, mesh: AbstractMesh, where: str) -> str:
+    """The message for an axis ``mesh`` does not have (with a suggestion)."""
+    hint = difflib.get_close_matches(str(name), mesh.axis_names, n=1, cutoff=0.5)
+    return (
+        f"unknown mesh axis {name!r} in {where}; the mesh {mesh!r} has axes {mesh.axis_names!r}"
+        + (f" (did you mean {hint[0]!r}?)" if hint else "")
+    )
 
 
 def _validate_shape(shape: Any, world: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -140,11 +158,7 @@ class AbstractMesh:
         names = normalize_axes(axes)
         for name in names:
             if name not in self.axis_names:
-                hint = difflib.get_close_matches(str(name), self.axis_names, n=1, cutoff=0.5)
-                raise MeshError(
-                    f"unknown mesh axis {name!r} in {what} {names!r}; the mesh {self!r} has axes "
-                    f"{self.axis_names!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                )
+                raise MeshError(unknown_axis(name, self, f"{what} {names!r}"))
         if len(set(names)) != len(names):
             raise MeshError(f"mesh axis repeated in {what} {names!r} of mesh {self!r}")
         return names
@@ -190,16 +204,16 @@ class AbstractMesh:
 
     def groups_along(self, axes: str | Iterable[str]) -> tuple[tuple[int, ...], ...]:
         """Every group of ranks along ``axes`` (the partition of the world),
-        each in member order, ordered by their first rank."""
+        each in member order, ordered by their first rank.
+
+        >>> AbstractMesh({"dp": 2, "tp": 2}).groups_along("dp")
+        ((0, 2), (1, 3))
+        """
         names = self.check_axes(axes)
-        seen: set[int] = set()
-        out = []
-        for r in range(self.world_size):
-            if r not in seen:
-                g = self.ranks_along(names, r)
-                seen.update(g)
-                out.append(g)
-        return tuple(out)
+        others = [i for i, a in enumerate(self.axis_names) if a not in names]
+        order = others + [self.axis_names.index(a) for a in names]
+        blocks = np.transpose(self.rank_grid, order).reshape(-1, self.size(names) if names else 1)
+        return tuple(sorted(tuple(int(r) for r in b) for b in blocks))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.shape!r})"
@@ -280,19 +294,22 @@ def current_mesh() -> Mesh | None:
     return _context.current()
 
 
-_LAUNCH_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
-
-
 def _process_rank_and_world() -> tuple[int, int]:
     import torch.distributed as dist
 
+    from ..errors import LaunchError
+    from ._runtime import detect_env
+
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    for var in _LAUNCH_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 1:
-            raise MeshError(
-                f"this process was launched as one of {value} ranks ({var}={value}) but "
-                "torch.distributed is not initialized; call shardax.init() before building a Mesh"
-            )
+    try:
+        env = detect_env()
+        world, source = (env.world_size, env.source) if env else (1, "")
+    except LaunchError as err:
+        world, source = 2, f"a launcher ({err})"
+    if world > 1:
+        raise MeshError(
+            f"this process was launched as one of {world} ranks (by {source}) but "
+            "torch.distributed is not initialized; call shardax.init() before building a Mesh"
+        )
     return 0, 1

@@ -115,7 +115,9 @@ def detect_env(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
         return LaunchEnv(
             rank=_int(env, "OMPI_COMM_WORLD_RANK"),
             world_size=world,
-            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+            if "OMPI_COMM_WORLD_LOCAL_RANK" in env
+            else 0,
             local_world_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
             if "OMPI_COMM_WORLD_LOCAL_SIZE" in env
             else world,
@@ -170,7 +172,8 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> Process
     present, else CPU) and the backend (NCCL on GPU, gloo on CPU) unless
     ``backend`` says otherwise; initializes torch.distributed. With no launch
     environment this is world size 1 and no process group is created. Adopts
-    an already initialized torch.distributed. Safe to call twice.
+    an already initialized torch.distributed (keeping its timeout). Safe to
+    call twice.
 
     Args:
         backend: ``"gloo"`` or ``"nccl"``; None picks by device.
@@ -233,7 +236,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> Process
 
 
 def _device(backend: str | None, local_rank: int) -> torch.device:
-    if backend in (None, "nccl") and torch.cuda.is_available():
+    if (backend is None or "nccl" in backend) and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 

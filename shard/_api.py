@@ -159,7 +159,9 @@ def _shard_one(x: torch.Tensor, mesh: Mesh, layout: Layout, src: int | None) -> 
 def gather(tree: Any) -> Any:
     """Turn every :class:`Sharded` leaf back into the dense tensor, on every
     rank (exact, uneven dims included; partial values summed). Other leaves
-    are left as they are. Differentiable.
+    are left as they are. Differentiable: the gradient of the dense result is
+    summed over ranks, so a loss every rank computes from it identically goes
+    through :func:`shardax.collectives.count_once` before ``backward()``.
 
     >>> import torch, shardax as sx
     >>> x = sx.shard(torch.arange(5.0), sx.Mesh({"dp": 1}), sx.P("dp"))

@@ -15,6 +15,7 @@ from ..mesh._mesh import AbstractMesh
 from ._api import layouts_for
 from ._layout import Layout
 from ._sharded import Sharded
+from ._spec import piece_sizes
 
 __all__ = ["Explanation", "Row", "explain", "format_bytes"]
 
@@ -34,8 +35,6 @@ def format_bytes(n: float) -> str:
 
 def _rank_numels(layout: Layout, shape: Sequence[int]) -> np.ndarray:
     """Local element count of every rank (flat, rank order)."""
-    from ._transfer import piece_sizes
-
     mesh = layout.mesh
     grid = np.ones(mesh.axis_sizes, dtype=np.int64)
     for length, axes in zip(shape, layout.dim_axes(len(shape)), strict=True):

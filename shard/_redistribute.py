@@ -4,15 +4,15 @@ the same ranks, where no single-axis collective applies."""
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
 from typing import ClassVar
 
 import attrs
 import torch
 
 from ..collectives._backend import Handle, start
-from ..collectives._ops import Op
+from ..collectives._ops import Op, register_transpose
 from ._layout import Layout
 
 __all__ = ["Redistribute", "exchanges"]
@@ -25,7 +25,8 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def exchanges(src: Layout, dst: Layout, shape: Sequence[int]) -> list[tuple[int, int, Box]]:
+@functools.lru_cache(maxsize=256)
+def exchanges(src: Layout, dst: Layout, shape: tuple[int, ...]) -> list[tuple[int, int, Box]]:
     """``(sender, receiver, global box)`` for every piece that moves (or is
     copied locally) from ``src`` to ``dst``; both layouts without partial axes.
 
@@ -71,9 +72,6 @@ class Redistribute(Op):
     transposed: bool = False
     name: ClassVar[str] = "redistribute"
 
-    def transpose(self) -> Redistribute:
-        return Redistribute(self.group, self.src, self.dst, self.shape, not self.transposed)
-
     def start(self, x: torch.Tensor) -> Handle:
         g = self.group
         me = g.rank
@@ -114,3 +112,8 @@ class Redistribute(Op):
         return start(
             g, "redistribute", lambda b: b.all_to_all(recv, send, out_splits, in_splits, g), finish
         )
+
+
+register_transpose(
+    Redistribute, lambda op: Redistribute(op.group, op.src, op.dst, op.shape, not op.transposed)
+)

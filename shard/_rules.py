@@ -61,6 +61,9 @@ class Rule:
     def __add__(self, other: Rule | Rules) -> Rules:
         return Rules(self) + other
 
+    def __radd__(self, other: Rule | int) -> Rules:
+        return Rules(self) if isinstance(other, int) and other == 0 else Rules(other, self)
+
     def __repr__(self) -> str:
         return f"Rule({self.pattern!r}, {self.spec!r})"
 
@@ -104,8 +107,8 @@ class Rules:
     def __add__(self, other: Rule | Rules) -> Rules:
         return Rules(self, other)
 
-    def __radd__(self, other: Rule) -> Rules:
-        return Rules(other, self)
+    def __radd__(self, other: Rule | int) -> Rules:
+        return self if isinstance(other, int) and other == 0 else Rules(other, self)  # sum([...])
 
     def __iter__(self) -> Any:
         return iter(self.rules)
@@ -164,11 +167,7 @@ def fit_spec(
         sharding = NamedSharding(mesh, spec)
     except ShardingError as err:
         raise ShardingError(f"{where}{err}{src}") from None
-    if len(spec) > len(shape):
-        raise ShardingError(
-            f"{where}{spec!r}{src} has {len(spec)} entries but the tensor has shape {tuple(shape)} "
-            f"({len(shape)} dims) on {mesh!r}; write a rule for this leaf with at most {len(shape)} entries"
-        )
+    sharding.check_shape(shape, path=path, source=src)
     if divisible:
         for d, (size, axes) in enumerate(zip(shape, sharding.dim_axes(len(shape)), strict=True)):
             n = math.prod(mesh.size(a) for a in axes)

@@ -8,18 +8,17 @@ layout exactly; for uneven ones it is DTensor's.
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from ..collectives._ops import chunk_sizes
 from ..errors import ShardingError
-from ..mesh._mesh import AbstractMesh
+from ..mesh._mesh import AbstractMesh, unknown_axis
 
-__all__ = ["P", "NamedSharding", "PartitionSpec", "dim_bounds"]
+__all__ = ["NamedSharding", "P", "PartitionSpec", "as_spec", "dim_bounds", "piece_sizes"]
 
 Entry = str | tuple[str, ...] | None
 
@@ -38,7 +37,7 @@ def _normalize_entry(entry: Any, raw: tuple[Any, ...]) -> Entry:
     )
 
 
-@attrs.frozen(init=False, repr=False)
+@attrs.frozen(init=False, repr=False, eq=False)
 class PartitionSpec:
     """One entry per tensor dim: None (not split), an axis name, or a tuple of
     axis names (split over their product, first major). Missing trailing
@@ -46,10 +45,10 @@ class PartitionSpec:
 
     >>> P("dp", None)
     P('dp', None)
-    >>> P(("dp", "tp"), None) == P(("dp", "tp"))
+    >>> P(("dp", "tp"), None) == P("dp", "tp")
     False
-    >>> P(("dp",)) == P("dp")
-    True
+    >>> P(("dp",)) == P("dp"), P("dp", None) == P("dp")
+    (True, True)
     >>> P("dp", "dp")
     Traceback (most recent call last):
     ...
@@ -99,6 +98,18 @@ class PartitionSpec:
             entries.pop()
         return cls(*entries)
 
+    def _key(self) -> tuple[Entry, ...]:
+        entries = list(self.entries)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return tuple(entries)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PartitionSpec) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
     def __len__(self) -> int:
         return len(self.entries)
 
@@ -121,29 +132,37 @@ def _entry_axes(entry: Entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else entry
 
 
+def piece_sizes(length: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """Lengths of the pieces of ``length`` chunked over ``sizes`` (the first
+    major, each chunk chunked again), in member order.
+
+    >>> piece_sizes(5, [2, 2])
+    (2, 1, 1, 1)
+    """
+    pieces = [length]
+    for n in sizes:
+        pieces = [c for p in pieces for c in chunk_sizes(p, n)]
+    return tuple(pieces)
+
+
 def dim_bounds(length: int, sizes: Sequence[int], index: Sequence[int]) -> tuple[int, int]:
-    """``[start, stop)`` of the piece at ``index`` when ``length`` is chunked
-    over ``sizes`` (first major, nested).
+    """``[start, stop)`` of the piece at ``index`` (one index per size).
 
     >>> dim_bounds(5, [2, 2], [0, 1]), dim_bounds(5, [2, 2], [1, 1])
     ((2, 3), (4, 5))
     """
-    start, n = 0, length
+    flat = 0
     for size, i in zip(sizes, index, strict=True):
-        pieces = chunk_sizes(n, size)
-        start += sum(pieces[:i])
-        n = pieces[i]
-    return start, start + n
+        flat = flat * size + i
+    pieces = piece_sizes(length, sizes)
+    start = sum(pieces[:flat])
+    return start, start + pieces[flat]
 
 
 def _check_spec_axes(mesh: AbstractMesh, spec: PartitionSpec) -> None:
     for axis in spec.axes:
         if axis not in mesh.axis_names:
-            hint = difflib.get_close_matches(axis, mesh.axis_names, n=1, cutoff=0.5)
-            raise ShardingError(
-                f"{spec!r} names axis {axis!r}, which mesh {mesh!r} does not have (its axes: "
-                f"{mesh.axis_names!r})" + (f"; did you mean {hint[0]!r}?" if hint else "")
-            )
+            raise ShardingError(unknown_axis(axis, mesh, repr(spec)))
 
 
 @attrs.frozen(repr=False)
@@ -159,27 +178,29 @@ class NamedSharding:
     >>> NamedSharding(AbstractMesh({"dp": 2}), P("dq"))
     Traceback (most recent call last):
     ...
-    shardax.errors.ShardingError: P('dq') names axis 'dq', which mesh AbstractMesh({'dp': 2}) does not have (its axes: ('dp',)); did you mean 'dp'?
+    shardax.errors.ShardingError: unknown mesh axis 'dq' in P('dq'); the mesh AbstractMesh({'dp': 2}) has axes ('dp',) (did you mean 'dp'?)
     """
 
     mesh: AbstractMesh
-    spec: PartitionSpec = attrs.field(
-        converter=lambda s: s if isinstance(s, PartitionSpec) else P(*s)
-    )
+    spec: PartitionSpec = attrs.field(converter=lambda s: as_spec(s))
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mesh, AbstractMesh):
             raise ShardingError(f"NamedSharding needs a Mesh or AbstractMesh, got {self.mesh!r}")
         _check_spec_axes(self.mesh, self.spec)
 
-    def check_shape(self, global_shape: Sequence[int], *, path: str = "") -> tuple[int, ...]:
-        """``global_shape`` as a tuple, checked to have a dim for every spec entry."""
+    def check_shape(
+        self, global_shape: Sequence[int], *, path: str = "", source: str = ""
+    ) -> tuple[int, ...]:
+        """``global_shape`` as a tuple, checked to have a dim for every spec
+        entry (``path`` and ``source`` only make the error more precise)."""
         shape = tuple(int(d) for d in global_shape)
         if len(self.spec) > len(shape):
             where = f"{path!r}: " if path else ""
             raise ShardingError(
-                f"{where}{self.spec!r} has {len(self.spec)} entries but the tensor has shape "
-                f"{shape} ({len(shape)} dims) on mesh {self.mesh!r}; drop entries or fix the rule"
+                f"{where}{self.spec!r}{source} has {len(self.spec)} entries but the tensor has "
+                f"shape {shape} ({len(shape)} dims) on {self.mesh!r}; give at most {len(shape)} "
+                "entries (write a rule for this leaf)"
             )
         return shape
 
@@ -226,13 +247,21 @@ class NamedSharding:
 
 
 def as_spec(spec: Any) -> PartitionSpec:
-    """A PartitionSpec from a spec or a tuple/list of entries."""
+    """A PartitionSpec from a spec or a tuple/list of entries.
+
+    >>> as_spec(("dp", None))
+    P('dp', None)
+    >>> as_spec("dp")
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ShardingError: a spec is a PartitionSpec, one entry per dim, like P('dp'); got the string 'dp'
+    """
     if isinstance(spec, PartitionSpec):
         return spec
+    if isinstance(spec, str):
+        raise ShardingError(
+            f"a spec is a PartitionSpec, one entry per dim, like P({spec!r}); got the string {spec!r}"
+        )
     if isinstance(spec, tuple | list):
         return P(*spec)
     raise ShardingError(f"expected a PartitionSpec like P('dp', None); got {spec!r}")
-
-
-def axes_of(specs: Iterable[PartitionSpec]) -> set[str]:
-    return {a for s in specs for a in s.axes}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,7 +16,6 @@ from ..collectives._ops import (
     Pad,
     ReduceScatter,
     Slice,
-    chunk_sizes,
 )
 from ..errors import ShardingError
 from ..mesh._mesh import Mesh
@@ -26,21 +23,9 @@ from ._layout import Layout, as_layout
 from ._plan import Plan, Step, plan_transfer
 from ._redistribute import Redistribute
 from ._sharded import Sharded
+from ._spec import piece_sizes
 
-__all__ = ["piece_sizes", "transfer"]
-
-
-def piece_sizes(length: int, sizes: Sequence[int]) -> tuple[int, ...]:
-    """Lengths of the nested chunks of ``length`` over ``sizes`` (first major),
-    in member order.
-
-    >>> piece_sizes(5, [2, 2])
-    (2, 1, 1, 1)
-    """
-    pieces = [length]
-    for n in sizes:
-        pieces = [c for p in pieces for c in chunk_sizes(p, n)]
-    return tuple(pieces)
+__all__ = ["run_plan", "transfer"]
 
 
 def _op(step: Step, before: Layout, after: Layout, shape: tuple[int, ...]) -> Op:
@@ -106,7 +91,3 @@ def transfer(x: Sharded, dst: Any) -> Sharded:
         return x
     plan = plan_transfer(x.layout, layout, x.shape)
     return Sharded(run_plan(x.local, plan), layout, x.shape)
-
-
-def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize

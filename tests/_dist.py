@@ -138,10 +138,11 @@ class _Pool:
             left = deadline - time.monotonic()
             ready = wait(list(pending.values()), timeout=max(left, 0))
             if not ready:
-                self._dump_and_kill()
+                self._dump_stacks()
                 stacks = "\n".join(
                     f"--- rank {r} (stacks, log tail) ---\n{self.log_tail(r)}" for r in pending
                 )
+                self.kill()
                 raise TimeoutError(
                     f"{what}: ranks {sorted(pending)} did not finish within {timeout:.0f} s\n{stacks}"
                 )
@@ -173,12 +174,11 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def _dump_and_kill(self) -> None:
+    def _dump_stacks(self) -> None:
         for p in self.procs:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGUSR1)
-        time.sleep(1.0)
-        self.kill()
+        time.sleep(1.0)  # let faulthandler write
 
     def kill(self) -> None:
         for conn in self.conns:

@@ -82,6 +82,7 @@ SURFACE = {
         "barrier",
         "broadcast",
         "chunk_sizes",
+        "count_once",
         "get_backend",
         "pmax",
         "pmean",

@@ -95,3 +95,58 @@ def test_a_timeout_says_where_the_missing_rank_is_waiting():
     )
     assert "Ranks that did not arrive: [3]" in messages[2]
     assert messages[1] is None and messages[3] is None
+
+
+def test_misused_arguments_get_clear_errors():
+    mesh = sx.Mesh({"dp": 1})
+    with pytest.raises(sx.MeshError, match="collectives take the axis first, then the dim"):
+        C.all_gather(torch.ones(2), 0, "dp", mesh=mesh)
+    with pytest.raises(CollectiveError, match="runs on a live Mesh"):
+        C.psum(torch.ones(2), "dp", mesh=sx.AbstractMesh({"dp": 1}))
+    with pytest.raises(CollectiveError, match="dim 0 is out of range"):
+        C.all_gather(torch.tensor(1.0), "dp", mesh=mesh)
+    with pytest.raises(CollectiveError, match="out of range for a new dim"):
+        C.all_gather(torch.ones(2), "dp", 3, tiled=False, mesh=mesh)
+
+
+def _disagree(kind: str) -> str:
+    mesh = sx.Mesh({"x": -1})
+    try:
+        if kind == "dtype":
+            C.all_gather(
+                torch.ones(2, dtype=torch.float32 if mesh.rank else torch.float64), "x", mesh=mesh
+            )
+        elif kind == "shape":
+            C.all_gather(torch.ones(2, 3 + mesh.rank), "x", 0, mesh=mesh)
+        else:
+            C.all_to_all(torch.ones(4 + mesh.rank, 2), "x", 0, 1, mesh=mesh)
+    except CollectiveError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", ["dtype", "shape", "split"])
+def test_ranks_that_disagree_get_an_error_not_garbage(kind):
+    for text in run_ranks(_disagree, kind, world_size=2):
+        assert "the ranks disagree on dtype or on dims other than dim" in text, text
+
+
+def _bystander_then_timeout() -> str | None:
+    mesh = sx.Mesh({"x": 4}, timeout=2.0)
+    C.ppermute(torch.ones(1), "x", [(0, 3)], mesh=mesh)  # ranks 1 and 2 only watch
+    if mesh.rank == 2:
+        return None
+    try:
+        C.psum(torch.ones(1), "x", mesh=mesh)
+    except CollectiveTimeoutError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.world_size(4)
+def test_collective_numbers_stay_in_step_after_a_ppermute_with_bystanders():
+    messages = run_ranks(_bystander_then_timeout, world_size=4, reset=True)
+    for rank in (0, 1, 3):
+        assert "(collective #1 on ranks [0, 1, 2, 3])" in messages[rank]
+        assert "Ranks that did not arrive: [2]" in messages[rank], messages[rank]

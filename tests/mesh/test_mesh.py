@@ -65,8 +65,9 @@ def test_unknown_axis_names_the_mesh_and_suggests():
 
 
 def test_mesh_without_init_under_a_launcher_is_an_error(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(MeshError, match=r"WORLD_SIZE=2.*call shardax.init\(\)"):
+    with pytest.raises(MeshError, match=r"one of 2 ranks \(by torchrun\).*call shardax.init\(\)"):
         Mesh({"dp": -1})
 
 
@@ -105,3 +106,20 @@ def test_groups_on_four_ranks():
     assert [r["index"] for r in results] == [(0, 0, 0), (1, 0, 2), (0, 1, 1), (1, 1, 3)]
     assert all(r["cached"] and r["shared_pg"] for r in results)
     assert [r["axis_index"] for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_mesh_without_init_under_slurm_or_mpirun_is_an_error(monkeypatch):
+    for var in ["RANK", "WORLD_SIZE"]:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "n1")
+    with pytest.raises(MeshError, match=r"one of 4 ranks \(by slurm\).*shardax.init\(\)"):
+        Mesh({"dp": -1})
+    for var in ["SLURM_PROCID", "SLURM_STEP_ID"]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(MeshError, match=r"shardax\.init"):
+        Mesh({"dp": -1})

@@ -68,7 +68,7 @@ def test_a_spec_that_does_not_fit_names_path_shape_spec_and_mesh():
     text = str(err.value)
     assert "'blocks.0.attn.qkv.bias'" in text and "(48,)" in text and "P('tp', None)" in text
     assert "AbstractMesh({'dp': 2, 'tp': 2})" in text and "Rule('.*bias'" in text
-    with pytest.raises(ShardingError, match=r"'emb.weight'.*names axis 'pp'"):
+    with pytest.raises(ShardingError, match=r"'emb.weight'.*unknown mesh axis 'pp'"):
         specs(PARAMS, Rule(r"emb.*", P("pp")))
 
 

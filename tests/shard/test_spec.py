@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -37,7 +35,8 @@ def test_bad_specs(entries, message):
 
 def test_named_sharding_checks_axes_against_the_mesh():
     with pytest.raises(
-        ShardingError, match=r"names axis 'dq'.*its axes: \('dp', 'tp'\).*did you mean 'dp'"
+        ShardingError,
+        match=r"unknown mesh axis 'dq' in P\('dq'\).*has axes \('dp', 'tp'\).*did you mean 'dp'",
     ):
         NamedSharding(MESH, P("dq"))
     with pytest.raises(ShardingError, match="has 2 entries but the tensor has shape"):
@@ -131,12 +130,3 @@ def test_devices_indices_map_covers_every_element_once_per_replica(case):
     assert len(by_replica) == mesh.size(replicated) if replicated else len(by_replica) == 1
     for count in by_replica.values():
         assert (count == 1).all()
-
-
-def test_every_dim_of_every_piece_is_one_contiguous_range():
-    mesh = AbstractMesh({"a": 3, "b": 2})
-    for entries in itertools.permutations(["a", "b", None]):
-        s = NamedSharding(mesh, P(*entries[:2]))
-        for r in range(mesh.world_size):
-            for lo, hi in s.local_bounds((7, 5), r):
-                assert 0 <= lo <= hi

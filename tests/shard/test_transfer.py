@@ -9,9 +9,12 @@ import pytest
 import torch
 from _dist import run_ranks
 from _layouts import all_layouts, assemble, integer_tensor, represent
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shardax as sx
 from shardax import Layout, P
+from shardax import collectives as C
 
 SHAPES = [(4, 6), (5, 3), (1, 3)]  # even; uneven; mostly empty shards
 
@@ -94,32 +97,37 @@ def test_transfer_between_meshes_over_the_same_ranks(shape):
 
 
 def _replicated_loss_grads(w: torch.Tensor) -> dict:
-    """Gradients of a loss every rank computes identically (replicated),
-    seeded through its dual (partial) layout: they must equal the dense
-    gradients, not be multiplied by the axis size."""
+    """Gradients of losses that every rank computes identically (replicated),
+    through transfers and collectives: they equal the dense gradients, never
+    the dense gradients times the axis size."""
     mesh = sx.Mesh({"dp": -1})
     out = {}
-    # sharded -> replicated (all_gather; its transpose is psum_scatter)
+    # sharded -> replicated (all_gather; its transpose is psum_scatter), seeded once
     x = sx.shard(w, mesh, P("dp"))
     x.local.requires_grad_()
-    y = sx.transfer(x, P())
-    loss = sx.Sharded((y.local**2).sum(), Layout(mesh), ())
-    sx.transfer(loss, Layout(mesh, P(), partial="dp")).local.backward()
+    loss = (sx.gather(x) ** 2).sum()
+    C.count_once(loss, "dp", mesh=mesh).backward()
     out["gather"] = x.local.grad.clone()
+    # the same, seeding through the loss's dual (partial) layout
+    x = sx.shard(w, mesh, P("dp"))
+    x.local.requires_grad_()
+    loss = sx.Sharded((sx.transfer(x, P()).local ** 2).sum(), Layout(mesh), ())
+    sx.transfer(loss, Layout(mesh, P(), partial="dp")).local.backward()
+    out["dual"] = x.local.grad.clone()
     # partial -> replicated (psum; its transpose is psum): JAX issue 3970
     parts = represent(w, Layout(mesh, P(), partial="dp"), mesh.rank, seed=5).requires_grad_()
     z = sx.transfer(sx.Sharded(parts, Layout(mesh, P(), partial="dp"), tuple(w.shape)), P())
-    loss = sx.Sharded((z.local**2).sum(), Layout(mesh), ())
-    sx.transfer(loss, Layout(mesh, P(), partial="dp")).local.backward()
+    C.count_once((z.local**2).sum(), "dp", mesh=mesh).backward()
     out["psum"] = parts.grad.clone()
+    # data parallel: a replicated weight, different data per rank, the mean loss
+    v = w.clone().requires_grad_()
+    batch = integer_tensor((2, 5), 20 + mesh.rank)
+    local_loss = (batch @ v).square().mean()
+    C.count_once(C.pmean(local_loss, "dp", mesh=mesh), "dp", mesh=mesh).backward()
+    out["dp"] = C.psum(v.grad, "dp", mesh=mesh)  # the data-parallel gradient reduction
     # replicated -> replicated is the identity: no psum of an identical value
     r = sx.shard(w, mesh, P())
     out["identity"] = sx.transfer(r, Layout(mesh, P())).local.clone()
-    # the naive seed (1 on every rank of a replicated loss) is what scales by n
-    x2 = sx.shard(w, mesh, P("dp"))
-    x2.local.requires_grad_()
-    (sx.transfer(x2, P()).local ** 2).sum().backward()
-    out["naive"] = x2.local.grad.clone()
     return out
 
 
@@ -129,13 +137,16 @@ def test_gradients_are_never_scaled_by_the_axis_size():
     results = run_ranks(_replicated_loss_grads, w, world_size=2)
     dense = 2 * w
     mesh = sx.AbstractMesh({"dp": 2})
-    got = assemble([r["gather"] for r in results], Layout(mesh, P("dp")), (5, 3))
-    torch.testing.assert_close(got, dense, rtol=0, atol=0)
+    for key in ("gather", "dual"):
+        got = assemble([r[key] for r in results], Layout(mesh, P("dp")), (5, 3))
+        torch.testing.assert_close(got, dense, rtol=0, atol=0, msg=key)
+    v = w.clone().requires_grad_()
+    batches = [integer_tensor((2, 5), 20 + rank) for rank in range(2)]
+    (sum((b @ v).square().mean() for b in batches) / 2).backward()
     for r in results:
         torch.testing.assert_close(r["psum"], dense, rtol=0, atol=0)
+        torch.testing.assert_close(r["dp"], v.grad)
         torch.testing.assert_close(r["identity"], w, rtol=0, atol=0)
-    naive = assemble([r["naive"] for r in results], Layout(mesh, P("dp")), (5, 3))
-    torch.testing.assert_close(naive, 2 * dense)  # what seeding a replicated loss everywhere does
 
 
 def test_transfer_rejects_dense_tensors_and_abstract_targets():
@@ -147,3 +158,59 @@ def test_transfer_rejects_dense_tensors_and_abstract_targets():
         sx.transfer(x, Layout(sx.AbstractMesh({"dp": 1}), P("dp")))
     with pytest.raises(sx.ShardingError, match="has 2 entries but the tensor has shape"):
         sx.transfer(x, P("dp", None))
+
+
+MESH3 = {"a": 2, "b": 1, "c": 2}
+DTYPES = [torch.float32, torch.bfloat16, torch.int64]
+
+
+def _random_pairs(cases: list) -> list:
+    """Transfers of 3-D tensors between given layouts on a 3-axis mesh (one
+    axis of size 1), from non-contiguous local tensors, in several dtypes."""
+    mesh = sx.Mesh(MESH3)
+    layouts = all_layouts(mesh, 3)
+    out = []
+    for i, j, shape, dtype_index in cases:
+        dtype = DTYPES[dtype_index]
+        src, dst = layouts[i], layouts[j]
+        x_dense = integer_tensor(shape, i + 13 * j, dtype)
+        local = represent(x_dense, src, mesh.rank, seed=i)
+        local = local.transpose(0, 2).contiguous().transpose(0, 2)  # same values, other strides
+        if dtype.is_floating_point:
+            local.requires_grad_()
+        y = sx.transfer(sx.Sharded(local, src, shape), dst)
+        grad = None
+        if dtype.is_floating_point:
+            g_dense = integer_tensor(shape, 7 * i + j, dtype)
+            y.local.backward(represent(g_dense, dst.dual(), mesh.rank, seed=j))
+            grad = local.grad.clone()
+        out.append((y.local.detach().clone(), grad))
+    return out
+
+
+@pytest.mark.world_size(4)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, len(all_layouts(sx.AbstractMesh(MESH3), 3)) - 1),
+            st.integers(0, len(all_layouts(sx.AbstractMesh(MESH3), 3)) - 1),
+            st.tuples(st.integers(0, 5), st.integers(1, 4), st.integers(0, 3)),
+            st.integers(0, len(DTYPES) - 1),
+        ),
+        min_size=10,
+        max_size=10,
+    )
+)
+def test_property_transfers_on_a_three_axis_mesh(cases):
+    results = run_ranks(_random_pairs, cases, world_size=4)
+    mesh = sx.AbstractMesh(MESH3)
+    layouts = all_layouts(mesh, 3)
+    for k, (i, j, shape, dtype_index) in enumerate(cases):
+        dtype = DTYPES[dtype_index]
+        src, dst = layouts[i], layouts[j]
+        y = assemble([r[k][0] for r in results], dst, shape)
+        torch.testing.assert_close(y, integer_tensor(shape, i + 13 * j, dtype), rtol=0, atol=0)
+        if dtype.is_floating_point:
+            g = assemble([r[k][1] for r in results], src.dual(), shape)
+            torch.testing.assert_close(g, integer_tensor(shape, 7 * i + j, dtype), rtol=0, atol=0)
