@@ -120,7 +120,7 @@ class AllReduce(Op):
             )
         if self.group.size == 1:
             return Handle.ready(x)
-        buf = x.detach().contiguous().clone()
+        buf = x.detach().clone(memory_format=torch.contiguous_format)
         op = "sum" if self.reduce == "mean" else self.reduce
         n = self.group.size
 
@@ -282,7 +282,7 @@ class Broadcast(Op):
     def start(self, x: torch.Tensor) -> Handle:
         if self.group.size == 1:
             return Handle.ready(x)
-        buf = x.detach().contiguous().clone()
+        buf = x.detach().clone(memory_format=torch.contiguous_format)
         return start(
             self.group, "broadcast", lambda b: b.broadcast(buf, self.root, self.group), lambda: buf
         )
@@ -299,7 +299,7 @@ class Reduce(Op):
         g = self.group
         if g.size == 1:
             return Handle.ready(x)
-        buf = x.detach().contiguous().clone()
+        buf = x.detach().clone(memory_format=torch.contiguous_format)
 
         def finish() -> torch.Tensor:
             return buf if g.index == self.root else buf.zero_()

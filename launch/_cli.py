@@ -28,8 +28,9 @@ Examples:
 \b
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0,
 NODE_RANK=0, MASTER_ADDR, MASTER_PORT, SHARDAX_LAUNCHED=1, PYTHONUNBUFFERED=1,
-and, unless already set, GLOO_SOCKET_IFNAME=lo and
-OMP_NUM_THREADS=max(1, CPUs // nproc-per-node). Its stdin is /dev/null.
+and, unless already set, GLOO_SOCKET_IFNAME=lo,
+OMP_NUM_THREADS=max(1, CPUs // nproc-per-node) and THP_MEM_ALLOC_ENABLE=1.
+Its stdin is /dev/null.
 
 \b
 If a rank fails, the others get SIGTERM (their whole process groups), then

@@ -34,7 +34,9 @@ TIMEOUT_S = 60.0  # the last resort: no test can hang the suite
 def _env(**extra: str) -> dict[str, str]:
     """The launcher's environment: ours minus what the launcher defaults."""
     env = {
-        k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE")
     }
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep
@@ -131,6 +133,7 @@ def test_two_ranks_get_torchrun_env_and_prefixed_output() -> None:
             "PYTHONUNBUFFERED": "1",
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": str(max(1, cpus // 2)),
+            "THP_MEM_ALLOC_ENABLE": "1",
             "argv": [],
             "executable": sys.executable,
         }
@@ -141,7 +144,7 @@ def test_two_ranks_get_torchrun_env_and_prefixed_output() -> None:
 
 def test_master_addr_port_and_preset_variables_are_kept() -> None:
     port = str(free_port())
-    env = _env(OMP_NUM_THREADS="3", GLOO_SOCKET_IFNAME="eth7")
+    env = _env(OMP_NUM_THREADS="3", GLOO_SOCKET_IFNAME="eth7", THP_MEM_ALLOC_ENABLE="0")
     args = ["--master_addr", "localhost", "--master-port", port, str(SCRIPTS / "report_env.py")]
     result = run_launch(*args, env=env)
     assert result.returncode == 0, result.stderr
@@ -149,6 +152,7 @@ def test_master_addr_port_and_preset_variables_are_kept() -> None:
     report = json.loads(line[len("ENV ") :])
     assert (report["MASTER_ADDR"], report["MASTER_PORT"]) == ("localhost", port)
     assert (report["OMP_NUM_THREADS"], report["GLOO_SOCKET_IFNAME"]) == ("3", "eth7")
+    assert report["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 @pytest.mark.parametrize("form", ["script", "module"])

@@ -21,6 +21,7 @@ NAMES = (
     "PYTHONUNBUFFERED",
     "GLOO_SOCKET_IFNAME",
     "OMP_NUM_THREADS",
+    "THP_MEM_ALLOC_ENABLE",
 )
 
 report = {name: os.environ.get(name) for name in NAMES}
