@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 import torch
+from hypothesis import strategies as st
 
 from shardax import Layout, P
 from shardax.mesh import AbstractMesh
@@ -70,3 +71,19 @@ def assemble(pieces: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int
         first[key] = piece
         out[tuple(slice(a, b) for a, b in box)] += piece
     return out
+
+
+@st.composite
+def dims_and_shape(
+    draw, names: Sequence[str], max_len: int = 9
+) -> tuple[list[tuple[str, ...]], tuple[int, ...]]:
+    """A random split of ``names`` over 1-3 dims (some axes unused, any
+    order), and a shape with possibly empty dims."""
+    ndim = draw(st.integers(1, 3))
+    dims: list[list[str]] = [[] for _ in range(ndim)]
+    for a in draw(st.permutations(list(names))):
+        d = draw(st.integers(-1, ndim - 1))
+        if d >= 0:
+            dims[d].append(a)
+    shape = tuple(draw(st.integers(0, max_len)) for _ in range(ndim))
+    return [tuple(d) for d in dims], shape

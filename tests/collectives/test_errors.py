@@ -49,16 +49,20 @@ def test_unknown_backend_is_named(monkeypatch):
         C.get_backend()
 
 
+def _timeout_text(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except CollectiveTimeoutError as err:
+        return str(err)
+    return "no error"
+
+
 def _skip_a_collective() -> str | None:
     mesh = sx.Mesh({"x": -1}, timeout=2.0)
     C.psum(torch.ones(1), "x", mesh=mesh)  # everyone arrives at #0
     if mesh.rank == 1:
         return None  # rank 1 skips collective #1 (rank-local control flow)
-    try:
-        C.psum(torch.ones(1), "x", mesh=mesh)
-    except CollectiveTimeoutError as err:
-        return str(err)
-    return "no error"
+    return _timeout_text(C.psum, torch.ones(1), "x", mesh=mesh)
 
 
 @pytest.mark.world_size(2)
@@ -74,15 +78,9 @@ def test_a_skipped_collective_times_out_naming_the_missing_rank():
 def _stuck_elsewhere() -> str | None:
     mesh = sx.Mesh({"x": 2, "y": 2}, timeout=2.0)
     if mesh.rank == 0:  # waits for rank 2 along x
-        try:
-            C.psum(torch.ones(1), "x", mesh=mesh)
-        except CollectiveTimeoutError as err:
-            return str(err)
+        return _timeout_text(C.psum, torch.ones(1), "x", mesh=mesh)
     if mesh.rank == 2:  # waits for rank 3 along y, which never comes
-        try:
-            C.all_gather(torch.ones(1), "y", sizes=(1, 1), mesh=mesh)
-        except CollectiveTimeoutError as err:
-            return str(err)
+        return _timeout_text(C.all_gather, torch.ones(1), "y", sizes=(1, 1), mesh=mesh)
     return None
 
 
@@ -137,11 +135,7 @@ def _bystander_then_timeout() -> str | None:
     C.ppermute(torch.ones(1), "x", [(0, 3)], mesh=mesh)  # ranks 1 and 2 only watch
     if mesh.rank == 2:
         return None
-    try:
-        C.psum(torch.ones(1), "x", mesh=mesh)
-    except CollectiveTimeoutError as err:
-        return str(err)
-    return "no error"
+    return _timeout_text(C.psum, torch.ones(1), "x", mesh=mesh)
 
 
 @pytest.mark.world_size(4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_ranks
-from _layouts import integer_tensor
+from _layouts import dims_and_shape, integer_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,17 +14,21 @@ import shardax as sx
 from shardax import Layout, P, Rule
 
 
-def _tree_round_trip(mesh_shape: dict[str, int]) -> dict:
-    mesh = sx.Mesh(mesh_shape)
-    names = mesh.axis_names
-    params = {
-        "emb": integer_tensor((7, 5), 1),
+def _params() -> dict:
+    return {
+        "emb": integer_tensor((7, 5), 1),  # uneven over 2 and 4 ranks
         "blocks": [
             {"w": integer_tensor((6, 3), 2 + i), "b": integer_tensor((3,), 9 + i)} for i in range(2)
         ],
         "scale": torch.tensor(2.0),
         "name": "gpt",
     }
+
+
+def _tree_round_trip(mesh_shape: dict[str, int]) -> dict:
+    mesh = sx.Mesh(mesh_shape)
+    names = mesh.axis_names
+    params = _params()
     rules = Rule("emb", P(names, None)) + Rule(r"blocks\.\d+\.w", P(None, names[-1]))
     sharded = sx.shard(params, mesh, rules)
     back = sx.gather(sharded)
@@ -46,14 +50,7 @@ def _tree_round_trip(mesh_shape: dict[str, int]) -> dict:
 )
 def test_gather_of_shard_is_exact_for_trees(world_size, mesh_shape):
     results = run_ranks(_tree_round_trip, mesh_shape, world_size=world_size)
-    expected = {
-        "emb": integer_tensor((7, 5), 1),
-        "blocks": [
-            {"w": integer_tensor((6, 3), 2 + i), "b": integer_tensor((3,), 9 + i)} for i in range(2)
-        ],
-        "scale": torch.tensor(2.0),
-        "name": "gpt",
-    }
+    expected = _params()
     n = world_size
     sizes = [len(range(7)[r * -(-7 // n) : (r + 1) * -(-7 // n)]) for r in range(n)]
     for rank, r in enumerate(results):
@@ -91,15 +88,8 @@ def cases(draw):
             [{"a": 4}, {"a": 2, "b": 2}, {"a": 1, "b": 2, "c": 2}, {"a": 2, "b": 1, "c": 2}]
         )
     )
-    names = list(mesh_shape)
-    ndim = draw(st.integers(1, 3))
-    dims = [[] for _ in range(ndim)]
-    for a in draw(st.permutations(names)):
-        d = draw(st.integers(-1, ndim - 1))
-        if d >= 0:
-            dims[d].append(a)
-    shape = tuple(draw(st.integers(0, 6)) for _ in range(ndim))
-    return mesh_shape, [tuple(d) for d in dims], shape, draw(st.integers(0, 1000))
+    dims, shape = draw(dims_and_shape(list(mesh_shape), max_len=6))
+    return mesh_shape, dims, shape, draw(st.integers(0, 1000))
 
 
 def _round_trip_case(mesh_shape, dims, shape, seed) -> bool:

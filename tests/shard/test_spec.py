@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _layouts import dims_and_shape
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,15 +102,8 @@ def test_layout_validation_and_dual():
 def mesh_spec_shape(draw):
     names = ["a", "b", "c"][: draw(st.integers(1, 3))]
     sizes = [draw(st.integers(1, 4)) for _ in names]
-    mesh = AbstractMesh(dict(zip(names, sizes, strict=True)))
-    ndim = draw(st.integers(1, 3))
-    dims = [[] for _ in range(ndim)]
-    for a in draw(st.permutations(names)):
-        choice = draw(st.integers(-1, ndim - 1))
-        if choice >= 0:
-            dims[choice].append(a)
-    shape = tuple(draw(st.integers(0, 9)) for _ in range(ndim))
-    return mesh, P.from_dim_axes(dims), shape
+    dims, shape = draw(dims_and_shape(names))
+    return AbstractMesh(dict(zip(names, sizes, strict=True))), P.from_dim_axes(dims), shape
 
 
 @settings(max_examples=300, deadline=None)

@@ -54,20 +54,23 @@ def test_every_layout_pair_matches_dense(world_size, mesh_shape, shape):
         torch.testing.assert_close(g, g_dense, rtol=0, atol=0, msg=f"backward {src} -> {dst}")
 
 
-def _between_meshes(shape: tuple[int, ...]) -> list:
-    a = sx.Mesh({"x": 2, "y": 2})
-    b = a.view({"z": 4})
-    c = a.view({"y": 2, "x": 2})  # same names, other grid: a different mesh
-    x_dense, g_dense = integer_tensor(shape, 3), integer_tensor(shape, 4)
-    cases = [
+def _mesh_cases(a, b, c) -> list[tuple[Layout, Layout]]:
+    return [
         (Layout(a, P("x", "y")), Layout(b, P(None, "z"))),
         (Layout(a, P(("x", "y"))), Layout(b, P("z"))),
         (Layout(a, P("y"), partial="x"), Layout(c, P("x", "y"))),
         (Layout(b, P("z")), Layout(a, P(), partial=("x", "y"))),
         (Layout(c, P(None, "x")), Layout(a, P(None, "x"))),
     ]
+
+
+def _between_meshes(shape: tuple[int, ...]) -> list:
+    a = sx.Mesh({"x": 2, "y": 2})
+    b = a.view({"z": 4})
+    c = a.view({"y": 2, "x": 2})  # same names, other grid: a different mesh
+    x_dense, g_dense = integer_tensor(shape, 3), integer_tensor(shape, 4)
     out = []
-    for i, (src, dst) in enumerate(cases):
+    for i, (src, dst) in enumerate(_mesh_cases(a, b, c)):
         x = sx.Sharded(represent(x_dense, src, a.rank, seed=i).requires_grad_(), src, shape)
         y = sx.transfer(x, dst)
         y.local.backward(represent(g_dense, dst.dual(), a.rank, seed=i + 7))
@@ -79,15 +82,8 @@ def _between_meshes(shape: tuple[int, ...]) -> list:
 @pytest.mark.parametrize("shape", [(4, 4), (5, 3)], ids=str)
 def test_transfer_between_meshes_over_the_same_ranks(shape):
     results = run_ranks(_between_meshes, shape, world_size=4)
-    a = sx.AbstractMesh({"x": 2, "y": 2})
-    b, c = sx.AbstractMesh({"z": 4}), sx.AbstractMesh({"y": 2, "x": 2})
-    cases = [
-        (Layout(a, P("x", "y")), Layout(b, P(None, "z"))),
-        (Layout(a, P(("x", "y"))), Layout(b, P("z"))),
-        (Layout(a, P("y"), partial="x"), Layout(c, P("x", "y"))),
-        (Layout(b, P("z")), Layout(a, P(), partial=("x", "y"))),
-        (Layout(c, P(None, "x")), Layout(a, P(None, "x"))),
-    ]
+    abstract = [sx.AbstractMesh(m) for m in ({"x": 2, "y": 2}, {"z": 4}, {"y": 2, "x": 2})]
+    cases = _mesh_cases(*abstract)
     x_dense, g_dense = integer_tensor(shape, 3), integer_tensor(shape, 4)
     for k, (src, dst) in enumerate(cases):
         y = assemble([r[k][0] for r in results], dst, shape)
