@@ -26,6 +26,7 @@ def _raises() -> None:
 
 @pytest.mark.world_size(2)
 def test_a_job_past_its_deadline_reports_stacks():
+    assert run_ranks(_sleepy, -1, world_size=2) == [0, 1]  # workers up, this module imported
     with pytest.raises(TimeoutError) as err:
         run_ranks(_sleepy, 1, world_size=2, timeout=3)
     text = str(err.value)

@@ -49,6 +49,13 @@ def test_unknown_backend_is_named(monkeypatch):
         C.get_backend()
 
 
+def _short_timeout_mesh(shape: dict[str, int]) -> sx.Mesh:
+    """A mesh whose collectives time out after 2 s, built once every rank is
+    here (so slow start-up on a loaded host cannot trip the short timeout)."""
+    C.barrier(mesh=sx.Mesh({"all": -1}))
+    return sx.Mesh(shape, timeout=2.0)
+
+
 def _timeout_text(fn, *args, **kwargs) -> str:
     try:
         fn(*args, **kwargs)
@@ -58,7 +65,7 @@ def _timeout_text(fn, *args, **kwargs) -> str:
 
 
 def _skip_a_collective() -> str | None:
-    mesh = sx.Mesh({"x": -1}, timeout=2.0)
+    mesh = _short_timeout_mesh({"x": -1})
     C.psum(torch.ones(1), "x", mesh=mesh)  # everyone arrives at #0
     if mesh.rank == 1:
         return None  # rank 1 skips collective #1 (rank-local control flow)
@@ -76,7 +83,7 @@ def test_a_skipped_collective_times_out_naming_the_missing_rank():
 
 
 def _stuck_elsewhere() -> str | None:
-    mesh = sx.Mesh({"x": 2, "y": 2}, timeout=2.0)
+    mesh = _short_timeout_mesh({"x": 2, "y": 2})
     if mesh.rank == 0:  # waits for rank 2 along x
         return _timeout_text(C.psum, torch.ones(1), "x", mesh=mesh)
     if mesh.rank == 2:  # waits for rank 3 along y, which never comes
@@ -131,7 +138,7 @@ def test_ranks_that_disagree_get_an_error_not_garbage(kind):
 
 
 def _bystander_then_timeout() -> str | None:
-    mesh = sx.Mesh({"x": 4}, timeout=2.0)
+    mesh = _short_timeout_mesh({"x": 4})
     C.ppermute(torch.ones(1), "x", [(0, 3)], mesh=mesh)  # ranks 1 and 2 only watch
     if mesh.rank == 2:
         return None
