@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import torch
+import torch.distributed as dist
 
 from ..collectives._api import apply_op
 from ..collectives._ops import (
@@ -20,12 +21,12 @@ from ..collectives._ops import (
 from ..errors import ShardingError
 from ..mesh._mesh import Mesh
 from ._layout import Layout, as_layout
-from ._plan import Plan, Step, plan_transfer
+from ._plan import Step, plan_transfer
 from ._redistribute import Redistribute
 from ._sharded import Sharded
 from ._spec import piece_sizes
 
-__all__ = ["run_plan", "transfer"]
+__all__ = ["transfer"]
 
 
 def _op(step: Step, before: Layout, after: Layout, shape: tuple[int, ...]) -> Op:
@@ -56,11 +57,21 @@ def _op(step: Step, before: Layout, after: Layout, shape: tuple[int, ...]) -> Op
     return AllToAll(group, e, d, split, concat)
 
 
-def run_plan(local: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Apply a plan's collectives to this rank's local tensor."""
-    for step, before, after in zip(plan.steps, plan.layouts[:-1], plan.layouts[1:], strict=True):
-        local = apply_op(local, _op(step, before, after, plan.shape))
-    return local
+@functools.lru_cache(maxsize=1024)
+def _compile(src: Layout, dst: Layout, shape: tuple[int, ...], job: Any) -> tuple[Op, ...]:
+    """The ops of the plan from ``src`` to ``dst``, built once per (layouts,
+    shape, job): a transfer repeated every step (a ZeRO-3 gather, say) neither
+    replans nor rebuilds its ops."""
+    plan = plan_transfer(src, dst, shape)
+    pairs = zip(plan.steps, plan.layouts[:-1], plan.layouts[1:], strict=True)
+    return tuple(_op(step, before, after, shape) for step, before, after in pairs)
+
+
+def _job(src: Layout, dst: Layout) -> Any:
+    """What else a compiled transfer depends on: the job's process groups
+    (new after a re-init) and the meshes' timeouts (which pick the groups)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return (world, src.mesh.timeout, dst.mesh.timeout)  # type: ignore[attr-defined]
 
 
 def transfer(x: Sharded, dst: Any) -> Sharded:
@@ -89,5 +100,7 @@ def transfer(x: Sharded, dst: Any) -> Sharded:
         raise ShardingError(f"transfer needs a live Mesh for its target, got {layout.mesh!r}")
     if layout == x.layout:
         return x
-    plan = plan_transfer(x.layout, layout, x.shape)
-    return Sharded(run_plan(x.local, plan), layout, x.shape)
+    local = x.local
+    for op in _compile(x.layout, layout, x.shape, _job(x.layout, layout)):
+        local = apply_op(local, op)
+    return Sharded(local, layout, x.shape)
