@@ -15,6 +15,8 @@ tensor([[0., 1.],
 """
 
 from . import collectives as collectives
+from . import data as data
+from . import optim as optim
 from . import rules as rules
 from .errors import CollectiveError as CollectiveError
 from .errors import CollectiveTimeoutError as CollectiveTimeoutError
@@ -32,12 +34,16 @@ from .shard import PartitionSpec as PartitionSpec
 from .shard import Rule as Rule
 from .shard import Rules as Rules
 from .shard import Sharded as Sharded
+from .shard import apply as apply
 from .shard import explain as explain
 from .shard import gather as gather
+from .shard import init_params as init_params
+from .shard import params_of as params_of
 from .shard import plan_transfer as plan_transfer
 from .shard import reshard as reshard
 from .shard import shard as shard
 from .shard import transfer as transfer
+from .shard import value_and_grad as value_and_grad
 
 __version__ = "0.1.0.dev0"
 
@@ -56,14 +62,20 @@ __all__ = [
     "Rules",
     "ShardingError",
     "Sharded",
+    "apply",
     "collectives",
+    "data",
     "explain",
     "gather",
     "init",
+    "init_params",
+    "optim",
+    "params_of",
     "plan_transfer",
     "reshard",
     "rules",
     "shard",
     "shutdown",
     "transfer",
+    "value_and_grad",
 ]

@@ -5,16 +5,26 @@ dims; a ``Layout`` adds the axes over which values are pending sums;
 ``Sharded`` is a pytree leaf holding this rank's piece. ``transfer`` moves a
 value between layouts with the collectives ``plan_transfer`` picks; ``shard``,
 ``gather`` and ``reshard`` apply it over pytrees; ``Rule``/``Rules`` map key
-paths to specs; ``explain`` prints the plan.
+paths to specs (``ShardOver`` adds ZeRO's splits, giving each parameter a
+``Placement``); ``explain`` prints the plan. ``params_of``/``init_params``
+bring a module's parameters in, ``apply`` runs the module on them and
+``value_and_grad`` differentiates through it.
 """
 
 from ._api import gather as gather
 from ._api import layouts_for as layouts_for
 from ._api import reshard as reshard
 from ._api import shard as shard
+from ._apply import apply as apply
 from ._explain import Explanation as Explanation
 from ._explain import explain as explain
+from ._grad import value_and_grad as value_and_grad
 from ._layout import Layout as Layout
+from ._params import init_params as init_params
+from ._params import params_of as params_of
+from ._placement import Placement as Placement
+from ._placement import ShardOver as ShardOver
+from ._placement import role_layout as role_layout
 from ._plan import Plan as Plan
 from ._plan import Step as Step
 from ._plan import plan_transfer as plan_transfer
@@ -32,16 +42,23 @@ __all__ = [
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "Placement",
     "Plan",
     "Rule",
     "Rules",
+    "ShardOver",
     "Sharded",
     "Step",
+    "apply",
     "explain",
     "gather",
+    "init_params",
     "layouts_for",
+    "params_of",
     "plan_transfer",
     "reshard",
+    "role_layout",
     "shard",
     "transfer",
+    "value_and_grad",
 ]

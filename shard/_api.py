@@ -12,12 +12,13 @@ from .._tree import flatten_with_paths
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, Mesh
 from ._layout import Layout
+from ._placement import ShardOver
 from ._rules import Rule, Rules, fit_spec
 from ._sharded import Sharded
 from ._spec import NamedSharding, P, PartitionSpec
 from ._transfer import transfer
 
-__all__ = ["gather", "layouts_for", "reshard", "shard"]
+__all__ = ["as_rules", "gather", "layouts_for", "reshard", "shard"]
 
 _TARGETS = (PartitionSpec, Layout, NamedSharding)
 
@@ -27,10 +28,15 @@ def _is_target(x: Any) -> bool:
 
 
 def _leaf_layout(
-    target: Any, path: str, shape: tuple[int, ...], mesh: AbstractMesh, rules: Rules | None
+    target: Any,
+    path: str,
+    shape: tuple[int, ...],
+    mesh: AbstractMesh,
+    rules: Rules | None,
+    role: str = "params",
 ) -> Layout:
     if rules is not None:
-        return Layout(mesh, rules.spec_for(path, shape, mesh))
+        return Layout(mesh, rules.spec_for(path, shape, mesh, role))
     if target is None:
         return Layout(mesh, P())
     if isinstance(target, PartitionSpec):
@@ -42,7 +48,7 @@ def _leaf_layout(
 
 
 def layouts_for(
-    tree: Any, mesh: AbstractMesh, specs: Any
+    tree: Any, mesh: AbstractMesh, specs: Any, role: str = "params"
 ) -> tuple[list[str], list[Any], Any, list[Layout | None]]:
     """``(paths, leaves, treespec, layouts)``: the layout each tensor leaf of
     ``tree`` gets (None for leaves that are not tensors).
@@ -50,6 +56,7 @@ def layouts_for(
     ``specs`` is a :class:`Rule`/:class:`Rules`, one spec/layout for every
     leaf, or a pytree of specs shaped like ``tree`` (or a prefix of it; None
     means replicated). Leaves may be tensors (meta ones too) or ``Sharded``.
+    With rules, ``role`` picks which role's layout (see ``rules.zero``).
 
     >>> import torch, shardax as sx
     >>> tree = {"w": torch.empty(4, 2, device="meta"), "n": 3}
@@ -60,7 +67,7 @@ def layouts_for(
     is_leaf = lambda x: isinstance(x, Sharded)  # noqa: E731
     paths, leaves, treespec = flatten_with_paths(tree, is_leaf=is_leaf, none_is_leaf=True)
     rules = None
-    if isinstance(specs, Rule):
+    if isinstance(specs, (Rule, ShardOver)):
         rules = Rules(specs)
     elif isinstance(specs, Rules):
         rules = specs
@@ -91,8 +98,17 @@ def layouts_for(
     layouts: list[Layout | None] = []
     for path, leaf, target in zip(paths, leaves, targets, strict=True):
         shape = _shape(leaf)
-        layouts.append(None if shape is None else _leaf_layout(target, path, shape, mesh, rules))
+        layouts.append(
+            None if shape is None else _leaf_layout(target, path, shape, mesh, rules, role)
+        )
     return paths, leaves, treespec, layouts
+
+
+def as_rules(specs: Any) -> Rules | None:
+    """``specs`` as :class:`Rules` when it is rules, else None."""
+    if isinstance(specs, (Rule, ShardOver)):
+        return Rules(specs)
+    return specs if isinstance(specs, Rules) else None
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:
@@ -110,6 +126,8 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src: int | None = None) -> Any:
     communication); or, with ``src=r``, only rank ``r``'s values count and are
     broadcast (the others pass tensors of the same shapes and dtypes, e.g.
     ``torch.empty``). Leaves that are not tensors are left as they are.
+    Sharded by rules, each leaf also gets its placement (compute, grads and
+    opt_state layouts: see ``rules.zero``).
 
     Args:
         tree: a pytree of tensors (or a single tensor).
@@ -128,13 +146,21 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src: int | None = None) -> Any:
         raise ShardingError(
             f"shard needs a live Mesh; got {mesh!r} (explain() plans on AbstractMesh)"
         )
-    _, leaves, treespec, layouts = layouts_for(tree, mesh, specs)
+    paths, leaves, treespec, layouts = layouts_for(tree, mesh, specs)
+    rules = as_rules(specs)
     out = []
-    for leaf, layout in zip(leaves, layouts, strict=True):
-        if layout is None or isinstance(leaf, Sharded):
-            out.append(leaf if layout is None else transfer(leaf, layout))
+    for path, leaf, layout in zip(paths, leaves, layouts, strict=True):
+        if layout is None:
+            out.append(leaf)
             continue
-        out.append(_shard_one(leaf, mesh, layout, src))
+        x = (
+            transfer(leaf, layout)
+            if isinstance(leaf, Sharded)
+            else _shard_one(leaf, mesh, layout, src)
+        )
+        if rules is not None:
+            x = Sharded(x.local, x.layout, x.shape, placement=rules.placement(path, x.shape, mesh))
+        out.append(x)
     return optree.tree_unflatten(treespec, out)
 
 
@@ -178,7 +204,8 @@ def gather(tree: Any) -> Any:
 def reshard(tree: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
     """Move every :class:`Sharded` leaf to a new layout: ``specs`` as in
     :func:`shard`, on ``mesh`` (default: each leaf's own mesh). Other leaves
-    are left as they are.
+    are left as they are. Rules give new placements; specs keep a leaf's
+    placement when its mesh stays the same.
 
     >>> import torch, shardax as sx
     >>> mesh = sx.Mesh({"dp": 1})
@@ -195,9 +222,17 @@ def reshard(tree: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
         raise ShardingError(
             f"the tree's Sharded leaves live on several meshes {sorted(map(repr, meshes))}; pass mesh="
         )
-    _, leaves, treespec, layouts = layouts_for(tree, target_mesh, specs)
-    out = [
-        transfer(x, layout) if isinstance(x, Sharded) and layout is not None else x
-        for x, layout in zip(leaves, layouts, strict=True)
-    ]
+    paths, leaves, treespec, layouts = layouts_for(tree, target_mesh, specs)
+    rules = as_rules(specs)
+    out = []
+    for path, x, layout in zip(paths, leaves, layouts, strict=True):
+        if not isinstance(x, Sharded) or layout is None:
+            out.append(x)
+            continue
+        y = transfer(x, layout)
+        if rules is not None:
+            placement = rules.placement(path, x.shape, target_mesh)
+        else:
+            placement = x.placement if x.mesh == target_mesh else None
+        out.append(Sharded(y.local, y.layout, y.shape, placement=placement))
     return optree.tree_unflatten(treespec, out)

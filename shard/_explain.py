@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..mesh._mesh import AbstractMesh
-from ._api import layouts_for
+from ._api import as_rules, layouts_for
 from ._layout import Layout
 from ._sharded import Sharded
 from ._spec import piece_sizes
@@ -73,6 +73,7 @@ class Explanation:
 
     mesh: AbstractMesh
     rows: tuple[Row, ...]
+    roles: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def rank_bytes(self) -> tuple[int, ...]:
@@ -125,13 +126,37 @@ class Explanation:
                 f"min {format_bytes(min(per))} (rank {int(np.argmin(per))}), "
                 f"mean {format_bytes(sum(per) / len(per))}"
             )
+        if self.roles:
+            parts = [f"{role} {format_bytes(max(b))}" for role, b in self.roles]
+            total = max(int(v) for v in np.sum([b for _, b in self.roles], axis=0))
+            lines.append(
+                "training state per rank (max): "
+                + ", ".join(parts)
+                + f"; {format_bytes(total)} in all"
+            )
         return "\n".join(lines)
 
 
-def explain(tree: Any, mesh: AbstractMesh, specs: Any = None) -> Explanation:
+def explain(
+    tree: Any, mesh: AbstractMesh, specs: Any = None, *, opt_state_bytes: int = 8
+) -> Explanation:
     """The sharding plan of ``tree`` on ``mesh`` under ``specs`` (as for
     :func:`shardax.shard`; None keeps ``Sharded`` leaves' own layouts and
     replicates tensors). Leaves may be meta tensors; the mesh may be abstract.
+
+    With rules, it also sums each rank's training state by role: params,
+    grads (same dtype as the params) and optimizer state at
+    ``opt_state_bytes`` per element (8: Adam's two fp32 moments) — the ZeRO
+    arithmetic of each stage:
+
+    >>> import torch, shardax as sx
+    >>> w = {"w": torch.empty(1024, 256, device="meta")}
+    >>> for stage in range(4):
+    ...     print(str(sx.explain(w, sx.AbstractMesh({"dp": 4}), sx.rules.zero(stage))).splitlines()[-1])
+    training state per rank (max): params 1.0 MiB, grads 1.0 MiB, opt_state 2.0 MiB; 4.0 MiB in all
+    training state per rank (max): params 1.0 MiB, grads 1.0 MiB, opt_state 512.0 KiB; 2.5 MiB in all
+    training state per rank (max): params 1.0 MiB, grads 256.0 KiB, opt_state 512.0 KiB; 1.8 MiB in all
+    training state per rank (max): params 256.0 KiB, grads 256.0 KiB, opt_state 512.0 KiB; 1.0 MiB in all
 
     >>> import torch, shardax as sx
     >>> params = {"emb": torch.empty(50, 16, device="meta"), "head": torch.empty(16, device="meta")}
@@ -142,6 +167,7 @@ def explain(tree: Any, mesh: AbstractMesh, specs: Any = None) -> Explanation:
     emb   (50, 16)  float32  P('dp')  (13, 16) (uneven)  704 B..832 B
     head  (16,)     float32  P()      (16,)              64 B
     per rank: 0: 896 B, 1: 896 B, 2: 896 B, 3: 768 B
+    training state per rank (max): params 896 B, grads 896 B, opt_state 1.8 KiB; 3.5 KiB in all
     """
     if specs is None:
         leaves = [x for x in _leaves(tree)]
@@ -149,12 +175,22 @@ def explain(tree: Any, mesh: AbstractMesh, specs: Any = None) -> Explanation:
         paths, leaves, _, layouts = layouts_for(tree, mesh, _rebuild_like(tree, specs_tree))
     else:
         paths, leaves, _, layouts = layouts_for(tree, mesh, specs)
+    rules = as_rules(specs)
+    roles: dict[str, Any] = {}
     rows = []
     for path, leaf, layout in zip(paths, leaves, layouts, strict=True):
         if layout is None:
             continue
         shape = leaf.shape if isinstance(leaf, Sharded) else tuple(leaf.shape)
         numels = _rank_numels(layout, shape)
+        if rules is not None:
+            placement = rules.placement(path, shape, mesh)
+            for role, lay, size in (
+                ("params", layout, leaf.dtype.itemsize),
+                ("grads", placement.grads, leaf.dtype.itemsize),
+                ("opt_state", placement.opt_state, opt_state_bytes),
+            ):
+                roles[role] = roles.get(role, 0) + _rank_numels(lay, shape) * size
         rows.append(
             Row(
                 path=path,
@@ -165,7 +201,14 @@ def explain(tree: Any, mesh: AbstractMesh, specs: Any = None) -> Explanation:
                 rank_bytes=tuple(int(n) * leaf.dtype.itemsize for n in numels),
             )
         )
-    return Explanation(mesh.abstract, tuple(rows))
+    return Explanation(
+        mesh.abstract,
+        tuple(rows),
+        tuple(
+            (role, tuple(int(v) for v in np.broadcast_to(b, (mesh.world_size,))))
+            for role, b in roles.items()
+        ),
+    )
 
 
 def _leaves(tree: Any) -> list[Any]:

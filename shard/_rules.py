@@ -15,6 +15,8 @@ import attrs
 
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh
+from ._layout import Layout
+from ._placement import ROLES, Placement, ShardOver
 from ._spec import NamedSharding, P, PartitionSpec, as_spec
 
 __all__ = ["Rule", "Rules", "fit_spec"]
@@ -58,14 +60,18 @@ class Rule:
     def matches(self, path: str) -> bool:
         return self._regex.fullmatch(path) is not None
 
-    def __add__(self, other: Rule | Rules) -> Rules:
+    def __add__(self, other: Rule | ShardOver | Rules) -> Rules:
         return Rules(self) + other
 
-    def __radd__(self, other: Rule | int) -> Rules:
+    def __radd__(self, other: Rule | ShardOver | int) -> Rules:
         return Rules(self) if isinstance(other, int) and other == 0 else Rules(other, self)
 
     def __repr__(self) -> str:
         return f"Rule({self.pattern!r}, {self.spec!r})"
+
+
+ShardOver.__add__ = Rule.__add__  # type: ignore[method-assign]
+ShardOver.__radd__ = Rule.__radd__  # type: ignore[method-assign]
 
 
 def _glob_regex(pattern: str) -> str:
@@ -79,6 +85,11 @@ class Rules:
     lists every unmatched path. ``divisible=True`` makes a split dim that the
     axes do not divide evenly an error. Compose with ``+`` (flags OR).
 
+    The rules' specs are the *compute* layouts (what modules see). On top of
+    them, :class:`ShardOver` entries (as ``rules.zero`` returns) split the
+    params, grads or optimizer state of matching leaves over more axes; their
+    order does not matter. ``spec_for(..., role=...)`` gives each role's spec.
+
     >>> rules = Rules(Rule(r".*\\.weight", P("dp")), strict=True)
     >>> rules.spec_for("mlp.weight", (8, 4), AbstractMesh({"dp": 2}))
     P('dp')
@@ -89,25 +100,33 @@ class Rules:
     """
 
     rules: tuple[Rule, ...]
+    overs: tuple[ShardOver, ...]
     strict: bool
     divisible: bool
 
-    def __init__(self, *rules: Rule | Rules, strict: bool = False, divisible: bool = False) -> None:
+    def __init__(
+        self, *rules: Rule | ShardOver | Rules, strict: bool = False, divisible: bool = False
+    ) -> None:
         flat: list[Rule] = []
+        overs: list[ShardOver] = []
         for r in rules:
             if isinstance(r, Rules):
                 flat.extend(r.rules)
+                overs.extend(o for o in r.overs if o not in overs)
                 strict, divisible = strict or r.strict, divisible or r.divisible
             elif isinstance(r, Rule):
                 flat.append(r)
+            elif isinstance(r, ShardOver):
+                if r not in overs:
+                    overs.append(r)
             else:
-                raise ShardingError(f"Rules takes Rule or Rules values; got {r!r}")
-        self.__attrs_init__(tuple(flat), bool(strict), bool(divisible))
+                raise ShardingError(f"Rules takes Rule, ShardOver or Rules values; got {r!r}")
+        self.__attrs_init__(tuple(flat), tuple(overs), bool(strict), bool(divisible))
 
-    def __add__(self, other: Rule | Rules) -> Rules:
+    def __add__(self, other: Rule | ShardOver | Rules) -> Rules:
         return Rules(self, other)
 
-    def __radd__(self, other: Rule | int) -> Rules:
+    def __radd__(self, other: Rule | ShardOver | int) -> Rules:
         return self if isinstance(other, int) and other == 0 else Rules(other, self)  # sum([...])
 
     def __iter__(self) -> Any:
@@ -120,8 +139,13 @@ class Rules:
         """The first rule matching ``path``, or None."""
         return next((r for r in self.rules if r.matches(path)), None)
 
-    def spec_for(self, path: str, shape: Sequence[int], mesh: AbstractMesh) -> PartitionSpec:
-        """The spec for one leaf, checked against its shape and the mesh."""
+    def spec_for(
+        self, path: str, shape: Sequence[int], mesh: AbstractMesh, role: str = "params"
+    ) -> PartitionSpec:
+        """The spec for one leaf in ``role`` (``"params"``, ``"compute"``,
+        ``"grads"`` or ``"opt_state"``), checked against its shape and the mesh."""
+        if role not in ROLES:
+            raise ShardingError(f"unknown role {role!r}; roles are {ROLES!r}")
         if len(shape) == 0:
             return P()
         rule = self.match(path)
@@ -131,8 +155,17 @@ class Rules:
                     f"no rule matches {path!r} (shape {tuple(shape)}) and the rules are strict; add a "
                     f"rule such as Rule({re.escape(path)!r}, P()) or Rule('.*', P()) at the end"
                 )
-            return P()
-        return fit_spec(rule.spec, shape, mesh, path=path, divisible=self.divisible, rule=rule)
+            spec = P()
+        else:
+            spec = fit_spec(rule.spec, shape, mesh, path=path, divisible=self.divisible, rule=rule)
+        for over in self.overs:
+            if role in over.roles and over.matches(path):
+                spec = fit_spec(over.extend(spec, shape, mesh), shape, mesh, path=path)
+        return spec
+
+    def placement(self, path: str, shape: Sequence[int], mesh: AbstractMesh) -> Placement:
+        """The compute, grads and opt_state layouts of one leaf."""
+        return Placement(*(Layout(mesh, self.spec_for(path, shape, mesh, r)) for r in ROLES[1:]))
 
     def unmatched(self, paths: Iterable[str]) -> list[str]:
         """The paths no rule matches."""
@@ -142,7 +175,7 @@ class Rules:
         flags = (", strict=True" if self.strict else "") + (
             ", divisible=True" if self.divisible else ""
         )
-        return "Rules(" + ", ".join(repr(r) for r in self.rules) + flags + ")"
+        return "Rules(" + ", ".join(repr(r) for r in (*self.rules, *self.overs)) + flags + ")"
 
 
 def fit_spec(

@@ -10,6 +10,7 @@ import torch
 from ..errors import ShardingError
 from ..mesh._mesh import Mesh
 from ._layout import Layout
+from ._placement import Placement
 from ._spec import PartitionSpec
 
 __all__ = ["Sharded"]
@@ -35,6 +36,8 @@ class Sharded:
 
     Build them with :func:`shardax.shard`; take them back with
     :func:`shardax.gather`; move them with :func:`shardax.transfer`.
+    A parameter sharded by rules also carries its ``placement``: the layouts
+    it is computed with, reduced to and optimised in (see ``rules.zero``).
 
     >>> import torch, shardax as sx
     >>> x = sx.shard(torch.arange(6.0).reshape(2, 3), sx.Mesh({"dp": 1}), sx.P("dp"))
@@ -47,6 +50,15 @@ class Sharded:
     shape: tuple[int, ...] = attrs.field(
         converter=lambda s: tuple(int(d) for d in s), validator=_check
     )
+    placement: Placement | None = attrs.field(default=None, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        p = self.placement
+        if p is not None and p.compute.mesh != self.layout.mesh:
+            raise ShardingError(
+                f"a Sharded value's placement {p!r} lives on {p.compute.mesh!r}, its layout on "
+                f"{self.layout.mesh!r}; they must share the mesh"
+            )
 
     @property
     def mesh(self) -> Mesh:
@@ -77,8 +89,8 @@ class Sharded:
         return tuple(self.local.shape)
 
     def with_local(self, local: torch.Tensor) -> Sharded:
-        """The same layout and shape around another local tensor."""
-        return Sharded(local, self.layout, self.shape)
+        """The same layout, shape and placement around another local tensor."""
+        return Sharded(local, self.layout, self.shape, placement=self.placement)
 
     def bounds(self, rank: int | None = None) -> tuple[tuple[int, int], ...]:
         """``[start, stop)`` per dim of ``rank``'s piece (default: this rank's)."""

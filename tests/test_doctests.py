@@ -22,6 +22,8 @@ PUBLIC = [
     "shardax.collectives",
     "shardax.rules",
     "shardax.launch",
+    "shardax.data",
+    "shardax.optim",
 ]
 
 

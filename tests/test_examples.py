@@ -51,3 +51,17 @@ def test_collectives_benchmark_smoke(tmp_path):
         assert (
             r["torch_s"] > 0 and r["shardax_s"] > 0 and r["ratio"] == r["torch_s"] / r["shardax_s"]
         )
+
+
+def test_train_gpt_on_two_ranks_with_zero3(tmp_path):
+    """The README's main job, shortened: ZeRO-3 on 2 ranks, loss printed,
+    checkpoint written, sample generated."""
+    out = tmp_path / "ckpt"
+    done = launch(
+        "--nproc-per-node", "2", "examples/train_gpt.py", "--preset", "tiny", "--steps", "4",
+        "--log-every", "2", "--eval-batches", "1", "--sample-tokens", "20", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ZeRO-3" in done.stdout and "[rank 0] step     4  loss" in done.stdout
+    assert (out / "model.safetensors").is_file()
+    assert "sample:" in done.stdout

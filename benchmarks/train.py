@@ -1,0 +1,527 @@
+"""Training: shardax ZeRO 0–3 against DDP, FSDP2 and DeepSpeed, side by side.
+
+One invocation trains the same GPT (``examples/gpt.py``) on the same
+tinyshakespeare bytes, from the same seed, with the same AdamW (lr 3e-4,
+betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter, fp32),
+once per mode:
+
+- ``ddp``: ``DistributedDataParallel`` over gloo;
+- ``fsdp2``: ``fully_shard`` on every block, then on the root (a CPU
+  ``DeviceMesh``);
+- ``deepspeed0`` … ``deepspeed3``: DeepSpeed's ZeRO stages on its CPU
+  accelerator (``DS_ACCELERATOR=cpu``), with the same ``torch.optim.AdamW``
+  as a client optimizer; skipped, with the reason, when ``import deepspeed``
+  fails;
+- ``shardax0`` … ``shardax3``: ``sx.rules.zero(stage)``, parameters
+  initialised shard by shard from a ``meta`` model, ``sx.value_and_grad``
+  and ``sx.optim.adamw``.
+
+Every (mode, repeat) runs in fresh rank processes started by ``shardax
+launch`` (peak RSS is a lifetime maximum), and modes are interleaved across
+repeats (A B C, A B C, …) because the host is noisy. Each run builds the
+model, takes ``--warmup`` untimed steps, then times ``--steps`` steps, each
+between two barriers. It prints one JSON line per run: global tokens/s,
+median step time, peak RSS per rank and every step's loss (warm-up steps
+first). A last JSON line summarises each mode (medians over repeats) and its
+ratios against ``fsdp2`` and, when present, ``deepspeed3`` and
+``deepspeed2``: a tokens/s ratio above 1 is faster than the anchor, a peak
+RSS ratio below 1 uses less memory. As a sanity check, every mode's first
+loss (same weights, same batch) must agree to 1e-4; the summary warns when
+they do not. A readable table goes to stderr.
+
+    python benchmarks/train.py --preset bench --repeats 3 --json train.json
+    python benchmarks/train.py --preset wide --modes fsdp2,deepspeed3,shardax3 --steps 5
+    python benchmarks/train.py --smoke        # tiny model, 2 steps: well under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from gpt import GPT, PRESETS, GPTConfig, param_count  # noqa: E402
+
+import shardax as sx  # noqa: E402
+from shardax.launch import launch  # noqa: E402
+
+DATA = ROOT / "examples" / "data" / "tinyshakespeare.txt"
+LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
+MICRO_BATCH = {"tiny": 8, "small": 8, "bench": 4, "wide": 2}
+ALL_MODES = [
+    "ddp",
+    "fsdp2",
+    *(f"deepspeed{s}" for s in range(4)),
+    *(f"shardax{s}" for s in range(4)),
+]
+ANCHORS = ["fsdp2", "deepspeed3", "deepspeed2"]
+LOSS_TOLERANCE = 1e-4
+TIMEOUT_S = 300.0
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""One optimizer step on this rank's micro-batch ``(x, y)``; returns the loss."""
+
+
+# ---------------------------------------------------------------- the modes
+
+
+def _torch_adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
+def _dense_model(cfg: GPTConfig, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Step:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def setup_ddp(cfg: GPTConfig, seed: int) -> Step:
+    """PyTorch ``DistributedDataParallel``: replicated parameters, all-reduced gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_dense_model(cfg, seed))
+    return _torch_step(model, _torch_adamw(model.parameters()))
+
+
+def setup_fsdp2(cfg: GPTConfig, seed: int) -> Step:
+    """PyTorch FSDP2: ``fully_shard`` on each block, then on the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _dense_model(cfg, seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _torch_step(model, _torch_adamw(model.parameters()))
+
+
+def setup_deepspeed(stage: int, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
+    """DeepSpeed ZeRO ``stage`` (0–3) in fp32, with ``torch.optim.AdamW`` as its client optimizer."""
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    model = _dense_model(cfg, seed)
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=_torch_adamw(model.parameters()), config=config
+    )
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = _loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return step
+
+
+def setup_shardax(stage: int, cfg: GPTConfig, seed: int) -> Step:
+    """shardax ZeRO ``stage`` (0–3): ``rules.zero``, ``init_params`` from a meta model,
+    ``value_and_grad``, ``optim.adamw``."""
+    mesh = sx.Mesh({"dp": -1})
+    rules = sx.rules.zero(stage, axis="dp")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    torch.manual_seed(seed)
+    params = sx.init_params(model, mesh, rules)
+    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    opt_state = opt.init(params)
+
+    def loss_fn(params, batch):
+        return _loss(sx.apply(model, params, batch["x"]), batch["y"])
+
+    grad_fn = sx.value_and_grad(loss_fn)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal params, opt_state
+        loss, grads = grad_fn(params, {"x": x, "y": y})
+        updates, opt_state = opt.update(grads, opt_state, params)
+        del grads  # no longer needed: let the step hold one gradient copy, not two
+        params = sx.optim.apply_updates(params, updates, donate=True)
+        return loss.detach()
+
+    return step
+
+
+def setup(mode: str, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
+    """Build ``mode``'s model and optimizer on this rank; return its step."""
+    if mode == "ddp":
+        return setup_ddp(cfg, seed)
+    if mode == "fsdp2":
+        return setup_fsdp2(cfg, seed)
+    if mode.startswith("deepspeed"):
+        return setup_deepspeed(int(mode[-1]), cfg, seed, micro_batch)
+    if mode.startswith("shardax"):
+        return setup_shardax(int(mode[-1]), cfg, seed)
+    raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(ALL_MODES)}")
+
+
+def unavailable(modes: Sequence[str]) -> dict[str, str]:
+    """The modes among ``modes`` that cannot run here, each with a one-line reason."""
+    reasons: dict[str, str] = {}
+    if any(m.startswith("deepspeed") for m in modes):
+        reason = _deepspeed_missing()
+        if reason:
+            reasons.update({m: reason for m in modes if m.startswith("deepspeed")})
+    missing = [
+        name
+        for owner, name in [
+            (sx, "init_params"),
+            (sx, "apply"),
+            (sx, "value_and_grad"),
+            (sx.rules, "zero"),
+            (getattr(sx, "optim", None), "adamw"),
+            (getattr(sx, "optim", None), "apply_updates"),
+        ]
+        if not hasattr(owner, name)
+    ]
+    if missing:
+        reason = f"this shardax has no {', '.join(missing)} yet"
+        reasons.update({m: reason for m in modes if m.startswith("shardax")})
+    return reasons
+
+
+def _deepspeed_missing() -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (pip install 'shardax[bench]')"
+    done = subprocess.run(
+        [sys.executable, "-c", "import deepspeed"],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        return f"import deepspeed failed: {lines[-1]}"
+    return None
+
+
+# ---------------------------------------------------------------- one run, on every rank
+
+
+def load_tokens(path: Path, vocab_size: int) -> torch.Tensor:
+    """The file's bytes as token ids (modulo ``vocab_size``, which byte-level presets never need)."""
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    return data.long() % vocab_size
+
+
+def batch(
+    tokens: torch.Tensor, step: int, *, seed: int, seq_len: int, micro_batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of step ``step``'s global batch: random windows,
+    the same for every mode and world size given the seed."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(tokens) - seq_len - 1, (micro_batch * world,), generator=g)
+    mine = starts[rank * micro_batch : (rank + 1) * micro_batch]
+    windows = tokens[mine[:, None] + torch.arange(seq_len + 1)]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (
+        peak / 2**20 if sys.platform == "darwin" else peak / 1024
+    )  # bytes on macOS, KiB elsewhere
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank of one run: build, warm up, time; rank 0 writes the result."""
+    torch.set_num_threads(args.threads)
+    mode = args.worker
+    if mode.startswith("shardax"):
+        sx.init(timeout=TIMEOUT_S)
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rss_start = peak_rss_mib()
+    cfg = config_from(args)
+    tokens = load_tokens(Path(args.data), cfg.vocab_size)
+    batch_at = partial(batch, tokens, seed=args.seed, seq_len=cfg.seq_len, micro_batch=args.micro)
+    started = time.perf_counter()
+    step = setup(mode, cfg, args.seed, args.micro)
+    build_s = time.perf_counter() - started
+    losses = [step(*batch_at(i)) for i in range(args.warmup)]
+    times = []
+    for i in range(args.warmup, args.warmup + args.steps):
+        x, y = batch_at(i)
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step(x, y))
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    seconds = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time
+    loss = torch.stack(losses).double()
+    dist.all_reduce(loss)  # the global loss: the mean of the ranks' (shardax's is already global)
+    loss /= world
+    rss = [None] * world
+    dist.all_gather_object(rss, (rss_start, peak_rss_mib()))
+    if rank == 0:
+        tokens_per_step = args.micro * world * cfg.seq_len
+        result = {
+            "tokens_per_s": tokens_per_step * args.steps / float(seconds.sum()),
+            "step_s": statistics.median(seconds.tolist()),
+            "step_s_all": seconds.tolist(),
+            "build_s": build_s,
+            "peak_rss_mib": max(peak for _, peak in rss),
+            "peak_rss_mib_per_rank": [peak for _, peak in rss],
+            "start_rss_mib_per_rank": [start for start, _ in rss],
+            "losses": loss.tolist(),
+        }
+        Path(args.result).write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def config_from(args: argparse.Namespace) -> GPTConfig:
+    """The preset with the command line's size overrides."""
+    return PRESETS[args.preset].replace(
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        vocab_size=args.vocab,
+        seq_len=args.seq_len,
+    )
+
+
+def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
+    """Launch one run of ``mode`` on fresh ranks; its JSON row."""
+    row: dict = {"mode": mode, "repeat": repeat}
+    with tempfile.TemporaryDirectory(prefix="shardax-train-bench-") as tmp:
+        result = Path(tmp) / "result.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", mode]
+        argv += ["--result", str(result), "--threads", str(args.threads), "--data", args.data]
+        argv += ["--preset", args.preset, "--micro-batch", str(args.micro)]
+        argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+        for flag in ["d_model", "n_layers", "n_heads", "vocab", "seq_len"]:
+            if getattr(args, flag) is not None:
+                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": "cpu"}
+        started = time.perf_counter()
+        code = launch(
+            argv, nproc_per_node=args.nproc, env=env, log_ranks=None if args.verbose else ()
+        )
+        row["wall_s"] = time.perf_counter() - started
+        if code != 0 or not result.exists():
+            row["error"] = f"ranks exited with code {code}"
+        else:
+            row.update(json.loads(result.read_text()))
+    return row
+
+
+def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -> dict:
+    """Per mode, medians over repeats, ratios against the anchors, and the loss check."""
+    per_mode: dict[str, dict] = {}
+    for mode in modes:
+        ok = [r for r in rows if r["mode"] == mode and "error" not in r]
+        if not ok:
+            continue
+        per_mode[mode] = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
+            "step_s": statistics.median(r["step_s"] for r in ok),
+            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in ok),
+            "first_loss": ok[0]["losses"][0],
+            "last_loss": statistics.median(r["losses"][-1] for r in ok),
+            "repeats": len(ok),
+        }
+    for stats in per_mode.values():
+        for anchor in ANCHORS:
+            if anchor in per_mode:
+                base = per_mode[anchor]
+                stats[f"tokens_per_s_vs_{anchor}"] = stats["tokens_per_s"] / base["tokens_per_s"]
+                stats[f"peak_rss_vs_{anchor}"] = stats["peak_rss_mib"] / base["peak_rss_mib"]
+    summary: dict = {"summary": per_mode, "skipped": skipped}
+    failed = sorted({r["mode"] for r in rows if "error" in r})
+    if failed:
+        summary["failed"] = failed
+    firsts = {m: s["first_loss"] for m, s in per_mode.items()}
+    if firsts:
+        spread = max(firsts.values()) - min(firsts.values())
+        summary["first_loss_spread"] = spread
+        if spread > LOSS_TOLERANCE:
+            summary["warning"] = (
+                f"first-step losses disagree by {spread:.2e} (> {LOSS_TOLERANCE:g}) although "
+                f"every mode starts from the same weights and batch: {firsts}"
+            )
+    return summary
+
+
+def print_table(summary: dict, file=sys.stderr) -> None:
+    """The summary, readable."""
+    anchors = [a for a in ANCHORS if a in summary["summary"]]
+    short = {"fsdp2": "fsdp2", "deepspeed3": "ds3", "deepspeed2": "ds2"}
+    head = f"{'mode':<12}{'tokens/s':>10}{'step ms':>9}{'peak MiB':>10}{'first loss':>12}"
+    head += "".join(f"{'tok/s/' + short[a]:>13}{'rss/' + short[a]:>11}" for a in anchors)
+    print(head, file=file)
+    for mode, s in summary["summary"].items():
+        line = f"{mode:<12}{s['tokens_per_s']:>10.0f}{s['step_s'] * 1e3:>9.1f}"
+        line += f"{s['peak_rss_mib']:>10.0f}{s['first_loss']:>12.5f}"
+        for a in anchors:
+            line += f"{s[f'tokens_per_s_vs_{a}']:>13.2f}{s[f'peak_rss_vs_{a}']:>11.2f}"
+        print(line, file=file)
+    for mode, reason in summary["skipped"].items():
+        print(f"skipped {mode}: {reason}", file=file)
+    if "warning" in summary:
+        print(f"WARNING: {summary['warning']}", file=file)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--modes", help=f"comma list (default: all available): {','.join(ALL_MODES)}"
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per run")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved")
+    parser.add_argument("--json", help="also write every row and the summary here")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="bench")
+    parser.add_argument("--d-model", dest="d_model", type=int)
+    parser.add_argument("--n-layers", dest="n_layers", type=int)
+    parser.add_argument("--n-heads", dest="n_heads", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--seq-len", dest="seq_len", type=int)
+    parser.add_argument(
+        "--micro-batch", dest="micro", type=int, help="per rank (default: preset's)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", default=str(DATA), help="a text file, read as bytes")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 1 repeat")
+    parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
+    parser.add_argument("--worker", metavar="MODE", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.preset, args.steps, args.repeats, args.nproc = "tiny", 2, 1, 2
+        if args.modes is None:
+            args.modes = "ddp,fsdp2,shardax0,shardax1,shardax2,shardax3"
+    if args.micro is None:
+        args.micro = MICRO_BATCH[args.preset]
+    if args.threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        args.threads = max(1, (cores or 1) // args.nproc)
+    for name in ["nproc", "steps", "repeats", "micro", "threads"]:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('micro', 'micro-batch')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        code = worker(args)
+        # torch 2.13's gloo sometimes aborts in interpreter finalization ("terminate called
+        # without an active exception", a few runs in a hundred, with or without
+        # destroy_process_group): the run is over and its result written, so skip finalization.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    requested = args.modes.split(",") if args.modes else ALL_MODES
+    unknown = [m for m in requested if m not in ALL_MODES]
+    if unknown:
+        print(f"unknown mode(s) {unknown}; modes: {','.join(ALL_MODES)}", file=sys.stderr)
+        return 2
+    if not Path(args.data).is_file():
+        print(f"no data file {args.data}; pass --data PATH", file=sys.stderr)
+        return 2
+    cfg = config_from(args)
+    skipped = unavailable(requested)
+    modes = [m for m in requested if m not in skipped]
+    header = {
+        "benchmark": "train",
+        "preset": args.preset,
+        "model": {
+            "vocab_size": cfg.vocab_size,
+            "seq_len": cfg.seq_len,
+            "d_model": cfg.d_model,
+            "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads,
+            "params": param_count(cfg),
+        },
+        "nproc": args.nproc,
+        "micro_batch": args.micro,
+        "global_batch": args.micro * args.nproc,
+        "threads_per_rank": args.threads,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "modes": modes,
+        "skipped": skipped,
+    }
+    print(json.dumps(header), flush=True)
+    for mode, reason in skipped.items():
+        print(f"skipping {mode}: {reason}", file=sys.stderr, flush=True)
+    rows = []
+    for repeat in range(args.repeats):
+        for mode in modes:
+            row = run_once(mode, repeat, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    summary = summarize(rows, modes, skipped)
+    print(json.dumps(summary), flush=True)
+    print_table(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**header, "runs": rows, **summary}, indent=2))
+    return 1 if summary.get("failed") or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

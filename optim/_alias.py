@@ -1,0 +1,283 @@
+"""Optimizers: each a ``chain`` of the transformations in this package.
+
+Updates are what you add to the params: every optimizer ends with
+``scale_by_learning_rate(lr)``, which applies ``-lr``. ``lr`` is a number or a
+schedule (step -> value). Where an optimizer has a ``torch.optim``
+counterpart its arithmetic and defaults follow it, so the two agree step for
+step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._base import GradientTransformation, chain
+from ._factored import scale_by_factored_rms
+from ._global import clip_by_block_rms, scale_by_param_block_rms, scale_by_trust_ratio
+from ._transforms import (
+    Schedule,
+    add_decayed_weights,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    scale_by_rms,
+    scale_by_rss,
+    trace,
+)
+
+__all__ = ["adafactor", "adagrad", "adam", "adamw", "lamb", "lion", "rmsprop", "sgd"]
+
+LR = float | Schedule
+
+
+def _chain(*maybe: GradientTransformation | None) -> GradientTransformation:
+    return chain(*[t for t in maybe if t is not None])
+
+
+def sgd(
+    lr: LR, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+) -> GradientTransformation:
+    """Stochastic gradient descent, as ``torch.optim.SGD`` (no dampening):
+    L2 ``weight_decay`` added to the gradient, then heavy-ball or Nesterov
+    momentum (Sutskever et al. 2013).
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.sgd(0.1, momentum=0.9)
+    >>> params = {"w": torch.ones(2)}
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update({"w": torch.ones(2)}, state, params)
+    >>> optim.apply_updates(params, updates)
+    {'w': tensor([0.9000, 0.9000])}
+    """
+    if nesterov and not momentum:
+        raise ValueError("Nesterov momentum needs momentum > 0")
+    return _chain(
+        add_decayed_weights(weight_decay) if weight_decay else None,
+        trace(momentum, nesterov) if momentum else None,
+        scale_by_learning_rate(lr),
+    )
+
+
+def adam(
+    lr: LR,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    nesterov: bool = False,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Adam (Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization"),
+    as ``torch.optim.Adam``: ``weight_decay`` is L2 regularization added to
+    the gradient (for decoupled decay use :func:`adamw`).
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.adam(0.1)
+    >>> params = torch.zeros(2)
+    >>> updates, _ = opt.update(torch.tensor([1.0, -1.0]), opt.init(params), params)
+    >>> updates
+    tensor([-0.1000,  0.1000])
+    """
+    return _chain(
+        add_decayed_weights(weight_decay) if weight_decay else None,
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
+        scale_by_learning_rate(lr),
+    )
+
+
+def adamw(
+    lr: LR,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    mask: Any = None,
+    *,
+    amsgrad: bool = False,
+    nesterov: bool = False,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Adam with decoupled weight decay (Loshchilov & Hutter 2019,
+    "Decoupled Weight Decay Regularization"), as ``torch.optim.AdamW``:
+    ``p -= lr * (adam_direction + weight_decay * p)``.
+
+    Args:
+        lr: learning rate or schedule.
+        b1, b2, eps: Adam's (see :func:`scale_by_adam`).
+        weight_decay: the decoupled decay coefficient.
+        mask: where to decay (see :func:`add_decayed_weights`), e.g.
+            ``lambda p: optree.tree_map(lambda x: x.ndim > 1, p, is_leaf=...)``
+            to spare biases and norms.
+        amsgrad, nesterov, mu_dtype: see :func:`scale_by_adam`.
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.adamw(0.1, weight_decay=0.5)
+    >>> params = torch.ones(2)
+    >>> updates, _ = opt.update(torch.tensor([1.0, -3.0]), opt.init(params), params)
+    >>> updates.round(decimals=4)               # -0.1 * (sign(g) + 0.5 * 1)
+    tensor([-0.1500,  0.0500])
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(lr),
+        _fresh_after_first=True,  # scale_by_adam returns new buffers: decay and scale in place
+    )
+
+
+def adagrad(
+    lr: LR,
+    *,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Adagrad (Duchi et al. 2011), as ``torch.optim.Adagrad`` (use a
+    schedule for its ``lr_decay``).
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.adagrad(1.0)
+    >>> params = torch.zeros(1)
+    >>> opt.update(torch.tensor([-4.0]), opt.init(params), params)[0]
+    tensor([1.])
+    """
+    return _chain(
+        add_decayed_weights(weight_decay) if weight_decay else None,
+        scale_by_rss(initial_accumulator_value, eps),
+        scale_by_learning_rate(lr),
+    )
+
+
+def rmsprop(
+    lr: LR,
+    decay: float = 0.99,
+    eps: float = 1e-8,
+    *,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """RMSProp (Hinton 2012), as ``torch.optim.RMSprop`` (``decay`` is its
+    ``alpha``): L2 ``weight_decay``, optional centering (Graves 2013) and
+    momentum on the scaled gradient.
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.rmsprop(0.01, decay=0.75, eps=0.0)
+    >>> params = torch.zeros(1)
+    >>> opt.update(torch.tensor([3.0]), opt.init(params), params)[0]
+    tensor([-0.0200])
+    """
+    if nesterov and not momentum:
+        raise ValueError("Nesterov momentum needs momentum > 0")
+    return _chain(
+        add_decayed_weights(weight_decay) if weight_decay else None,
+        scale_by_rms(decay, eps, centered=centered),
+        trace(momentum, nesterov) if momentum else None,
+        scale_by_learning_rate(lr),
+    )
+
+
+def lion(
+    lr: LR,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 1e-3,
+    mask: Any = None,
+    *,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization
+    Algorithms"): the sign of an interpolated momentum, with decoupled
+    weight decay. Use a learning rate 3-10x smaller than AdamW's.
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.lion(0.1, weight_decay=0.0)
+    >>> params = torch.zeros(2)
+    >>> opt.update(torch.tensor([0.3, -5.0]), opt.init(params), params)[0]
+    tensor([-0.1000,  0.1000])
+    """
+    return chain(
+        scale_by_lion(b1, b2, mu_dtype),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(lr),
+    )
+
+
+def lamb(
+    lr: LR,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    mask: Any = None,
+) -> GradientTransformation:
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning:
+    Training BERT in 76 minutes"): Adam's direction plus decoupled weight
+    decay, scaled per leaf by the trust ratio ``||p|| / ||update||`` (norms of
+    the global tensors, also when sharded).
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.lamb(0.1)
+    >>> params = torch.tensor([3.0, 4.0])
+    >>> opt.update(torch.tensor([1.0, -1.0]), opt.init(params), params)[0]
+    tensor([-0.3536,  0.3536])
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_trust_ratio(),
+        scale_by_learning_rate(lr),
+    )
+
+
+def adafactor(
+    lr: LR,
+    *,
+    min_dim_size_to_factor: int = 128,
+    decay_rate: float = 0.8,
+    decay_offset: int = 0,
+    multiply_by_parameter_scale: bool = True,
+    clipping_threshold: float | None = 1.0,
+    momentum: float | None = None,
+    weight_decay: float = 0.0,
+    mask: Any = None,
+    eps: float = 1e-30,
+    factored: bool = True,
+) -> GradientTransformation:
+    """Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates
+    with Sublinear Memory Cost"), as optax composes it: factored second
+    moments, update clipping at ``clipping_threshold`` (RMS), the step scaled
+    by ``max(rms(p), 1e-3)`` (``multiply_by_parameter_scale``), optional
+    momentum, and weight decay added after the learning rate (so not
+    scaled by it, as in optax).
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.adafactor(0.1, min_dim_size_to_factor=2)
+    >>> params = torch.full((2, 2), 2.0)
+    >>> opt.update(torch.ones(2, 2), opt.init(params), params)[0]
+    tensor([[-0.2000, -0.2000],
+            [-0.2000, -0.2000]])
+    """
+    return _chain(
+        scale_by_factored_rms(factored, decay_rate, decay_offset, min_dim_size_to_factor, eps),
+        clip_by_block_rms(clipping_threshold) if clipping_threshold is not None else None,
+        scale_by_learning_rate(lr, flip_sign=False),
+        scale_by_param_block_rms() if multiply_by_parameter_scale else None,
+        trace(momentum) if momentum else None,
+        add_decayed_weights(weight_decay, mask) if weight_decay else None,
+        scale(-1.0),
+    )

@@ -1,0 +1,232 @@
+"""Mixed precision: fp32 master weights in the optimizer state, and dynamic
+loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision
+Training")."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from ..shard._sharded import Sharded
+from ..shard._transfer import transfer
+from ._base import (
+    Flat,
+    GradientTransformation,
+    apply_updates,
+    expect_state,
+    flatten,
+    needs_params,
+    role_layout,
+    transformation,
+)
+from ._norms import all_finite
+
+__all__ = ["DynamicLossScale", "MasterWeightsState", "with_master_weights"]
+
+
+# -- master weights -------------------------------------------------------------
+
+
+class MasterWeightsState(NamedTuple):
+    """State of :func:`with_master_weights`: the high-precision copy of the
+    params (sharded like the optimizer state) and the inner state."""
+
+    master: Any
+    inner_state: Any
+
+
+def _master_leaf(x: Any, dtype: torch.dtype) -> Any:
+    if not isinstance(x, Sharded):
+        return x.detach().to(dtype, copy=True)
+    layout = role_layout(x, "opt_state")
+    if x.device.type == "meta":
+        shape = layout.local_shape(x.shape, layout.mesh.rank)  # type: ignore[attr-defined]
+        return Sharded(torch.empty(shape, dtype=dtype, device="meta"), layout, x.shape)
+    moved = x if layout == x.layout else transfer(x, layout)
+    return Sharded(moved.local.detach().to(dtype, copy=True), layout, x.shape)
+
+
+def with_master_weights(
+    inner: GradientTransformation, dtype: torch.dtype = torch.float32
+) -> GradientTransformation:
+    """Run ``inner`` on a ``dtype`` copy of the params kept in the state —
+    fp32 master weights for bf16/fp16 params.
+
+    ``init`` stores the copy, each Sharded leaf in its "opt_state" layout (so
+    under ZeRO the master weights are sharded like the rest of the state) and
+    initializes ``inner`` on it. ``update`` casts the gradients to ``dtype``,
+    runs ``inner`` against the master copy, updates it, and returns updates
+    (in ``dtype``) such that :func:`apply_updates` gives the new master
+    weights rounded to the params' dtype (exactly, unless a value changes by
+    more than a factor 2**16 in one step).
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.with_master_weights(optim.sgd(1e-3))
+    >>> params = torch.ones(2, dtype=torch.bfloat16)
+    >>> state = opt.init(params)
+    >>> for _ in range(3):   # each step alone would round away in bf16
+    ...     u, state = opt.update(torch.ones(2, dtype=torch.bfloat16), state, params)
+    ...     params = optim.apply_updates(params, u)
+    >>> params, state.master
+    (tensor([0.9961, 0.9961], dtype=torch.bfloat16), tensor([0.9970, 0.9970]))
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype; got {dtype!r}")
+
+    def init(params: Any) -> MasterWeightsState:
+        leaves, spec = flatten(params, "params")
+        master = optree.tree_unflatten(spec, [_master_leaf(x, dtype) for x in leaves])
+        return MasterWeightsState(master, inner.init(master))
+
+    def update(updates: Any, state: MasterWeightsState, params: Any = None) -> tuple[Any, Any]:
+        expect_state(state, MasterWeightsState, what="with_master_weights")
+        needs_params(params, "with_master_weights")
+        flat = Flat(state.master, "state.master")
+        grads = flat.build([g.to(dtype) for g in flat.align(updates, "updates")])
+        p = flat.align(params, "params")
+        inner_updates, inner_state = inner.update(grads, state.inner_state, state.master)
+        new_master = apply_updates(state.master, inner_updates)
+        out = [
+            m.to(x.dtype).to(dtype) - x.to(dtype)
+            for m, x in zip(Flat(new_master, "master").locals, p, strict=True)
+        ]
+        return flat.build(out), MasterWeightsState(new_master, inner_state)
+
+    return transformation(init, update)
+
+
+# -- dynamic loss scaling ------------------------------------------------------------
+
+
+class _LossScaleFields(NamedTuple):
+    scale: float
+    growth_interval: int
+    growth_factor: float
+    backoff_factor: float
+    growth_tracker: int
+    finite: bool
+    skipped: int
+
+
+class DynamicLossScale(_LossScaleFields):
+    """Dynamic loss scaling for fp16 training, with the semantics of
+    ``torch.amp.GradScaler``: multiply the loss by ``scale``; unscale the
+    gradients; if any is NaN or inf — on *any* rank — skip the step and
+    multiply the scale by ``backoff_factor``; after ``growth_interval``
+    finite steps in a row, multiply it by ``growth_factor``.
+
+    A frozen value (a NamedTuple, so a pytree you can checkpoint): each
+    method returns a new one. ``finite`` says whether the last step was
+    taken; ``skipped`` counts the skipped steps.
+
+    Args:
+        scale: the initial scale.
+        growth_interval: finite steps in a row before the scale grows.
+        growth_factor: the growth multiplier (> 1).
+        backoff_factor: the multiplier after a non-finite step (in (0, 1)).
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> ls = optim.DynamicLossScale(2.0**10, growth_interval=2)
+    >>> grads, ls = ls.unscale_and_adjust({"w": torch.tensor([1024.0, float("inf")])})
+    >>> ls.finite, ls.scale, ls.skipped
+    (False, 512.0, 1)
+    >>> grads, ls = ls.unscale_and_adjust({"w": torch.tensor([512.0])})
+    >>> grads, ls.finite, ls.scale
+    ({'w': tensor([1.])}, True, 512.0)
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_tracker: int = 0,
+        finite: bool = True,
+        skipped: int = 0,
+    ) -> DynamicLossScale:
+        scale = float(scale)
+        if not (scale > 0 and scale != float("inf")):
+            raise ValueError(f"the loss scale must be a positive finite number; got {scale!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
+            raise TypeError(f"growth_interval must be an int; got {growth_interval!r}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1; got {growth_interval}")
+        if not float(growth_factor) > 1.0:
+            raise ValueError(f"growth_factor must be > 1; got {growth_factor!r}")
+        if not 0.0 < float(backoff_factor) < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor!r}")
+        return super().__new__(
+            cls,
+            scale,
+            growth_interval,
+            float(growth_factor),
+            float(backoff_factor),
+            int(growth_tracker),
+            bool(finite),
+            int(skipped),
+        )
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (differentiable; keep the loss in fp32).
+
+        >>> from shardax import optim
+        >>> import torch
+        >>> optim.DynamicLossScale(8.0).scale_loss(torch.tensor(0.5))
+        tensor(4.)
+        """
+        return loss * self.scale
+
+    def unscale(self, grads: Any) -> Any:
+        """The gradients divided by the scale, as new tensors in their dtype
+        (Sharded leaves keep their layout).
+
+        >>> from shardax import optim
+        >>> import torch
+        >>> optim.DynamicLossScale(4.0).unscale([torch.tensor([2.0])])
+        [tensor([0.5000])]
+        """
+        inv = float(torch.tensor(1.0 / self.scale, dtype=torch.float32))
+        with torch.no_grad():
+            flat = Flat(grads, "grads")
+            return flat.build([g * inv for g in flat.locals])
+
+    def adjust(self, finite: bool) -> DynamicLossScale:
+        """The scale after a step whose gradients were (not) finite.
+
+        >>> from shardax import optim
+        >>> optim.DynamicLossScale(4.0, growth_interval=1).adjust(True).scale
+        8.0
+        """
+        if not finite:
+            return self._replace(
+                scale=self.scale * self.backoff_factor,
+                growth_tracker=0,
+                finite=False,
+                skipped=self.skipped + 1,
+            )
+        tracker = self.growth_tracker + 1
+        if tracker == self.growth_interval:
+            return self._replace(
+                scale=self.scale * self.growth_factor, growth_tracker=0, finite=True
+            )
+        return self._replace(growth_tracker=tracker, finite=True)
+
+    def unscale_and_adjust(self, grads: Any) -> tuple[Any, DynamicLossScale]:
+        """Unscale the gradients, check them (:func:`all_finite`, agreed by
+        all ranks) and adjust the scale: ``(grads, new_loss_scale)``; take
+        the optimizer step only if ``new_loss_scale.finite``.
+
+        >>> from shardax import optim
+        >>> import torch
+        >>> optim.DynamicLossScale(2.0).unscale_and_adjust(torch.tensor([4.0]))
+        (tensor([2.]), DynamicLossScale(scale=2.0, growth_interval=2000, growth_factor=2.0, backoff_factor=0.5, growth_tracker=1, finite=True, skipped=0))
+        """
+        unscaled = self.unscale(grads)
+        return unscaled, self.adjust(all_finite(unscaled))

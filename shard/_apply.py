@@ -1,0 +1,254 @@
+"""``apply``: run a module with parameters from a pytree, each module's
+parameters relaid from their storage layout to their compute layout just
+before it runs and released after.
+
+The module tree is cut into *units* (by default: the root and every module
+held in a ``ModuleList``/``ModuleDict``/``Sequential`` — the transformer
+blocks). A unit's parameters are gathered in one collective when its forward
+starts and the next unit's gather is started meanwhile (prefetch); when the
+unit's forward ends they are released. Under :func:`shardax.value_and_grad`
+the gathered tensors that autograd saves for backward are not kept: they are
+saved as tokens and gathered again when backward needs them (ZeRO-3 peak
+memory ≈ the shards plus about one unit), and each parameter's gradient is
+handed to the bucketed reducer the moment it is final.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ShardingError
+from ._fused import Gathered, start_gather
+from ._placement import role_layout
+from ._sharded import Sharded
+from ._transfer import transfer
+
+__all__ = ["apply"]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+Units = str | Callable[[str, nn.Module], bool] | None
+
+
+def _is_unit(units: Units) -> Callable[[str, nn.Module, nn.Module | None], bool]:
+    if units is None:
+        return lambda path, m, parent: (
+            isinstance(parent, _CONTAINERS) and not isinstance(m, _CONTAINERS)
+        )
+    if isinstance(units, str):
+        regex = re.compile(units)
+        return lambda path, m, parent: regex.fullmatch(path) is not None
+    if callable(units):
+        return lambda path, m, parent: bool(units(path, m))
+    raise ShardingError(f"units is a regex over module paths, a predicate or None; got {units!r}")
+
+
+class _Unit:
+    __slots__ = ("index", "module", "path", "slots")
+
+    def __init__(self, index: int, path: str, module: nn.Module) -> None:
+        self.index, self.path, self.module = index, path, module
+        self.slots: list[tuple[str, Any, list[tuple[nn.Module, str, bool]]]] = []
+
+
+def _plan(model: nn.Module, params: dict[str, Any], units: Units) -> list[_Unit]:
+    """The units in forward order, each with its leaves and their owners."""
+    is_unit = _is_unit(units)
+    unit_of: dict[str, _Unit] = {"": _Unit(0, "", model)}
+    order = [unit_of[""]]
+    parents: dict[str, str] = {}
+    owners: dict[int, list[tuple[str, nn.Module, str, bool]]] = {}
+    canonical: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if path:
+            parent_path = path.rpartition(".")[0]
+            parent = model.get_submodule(parent_path) if parent_path else model
+            if is_unit(path, module, parent):
+                if path not in unit_of:
+                    unit_of[path] = _Unit(len(order), path, module)
+                    order.append(unit_of[path])
+                parents[path] = path
+            else:
+                parents[path] = parents.get(parent_path, "")
+        else:
+            parents[path] = ""
+        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                full = f"{path}.{name}" if path else name
+                canonical.setdefault(id(t), full)
+                owners.setdefault(id(t), []).append((parents[path], module, name, kind == "param"))
+    known = {canonical[k]: k for k in canonical}
+    missing = sorted(set(known) - set(params))
+    extra = sorted(set(params) - set(known))
+    if missing or extra:
+        raise ShardingError(
+            "apply: the params do not match the model's parameters and buffers"
+            + (f"; missing: {missing}" if missing else "")
+            + (f"; unexpected: {extra}" if extra else "")
+            + " (build them with shardax.params_of(model) or shardax.init_params(model, ...))"
+        )
+    for path, key in sorted(known.items()):
+        unit_paths = {u for u, _, _, _ in owners[key]}
+        unit = unit_of[unit_paths.pop()] if len(unit_paths) == 1 else unit_of[""]
+        unit.slots.append(
+            (path, params[path], [(m, name, is_param) for _, m, name, is_param in owners[key]])
+        )
+    return order
+
+
+class _Run:
+    """One call of :func:`apply`: gathers, prefetches, releases, and (under a
+    tape) saves gathered tensors as tokens and routes their gradients."""
+
+    def __init__(self, units: list[_Unit], tape: Any, prefetch: bool) -> None:
+        self.units, self.tape, self.prefetch = units, tape, prefetch
+        self.differentiable = tape is None and torch.is_grad_enabled()
+        self.pending: dict[int, Gathered] = {}
+        self.live: dict[int, Gathered] = {}
+        self.saved: dict[int, tuple[int, int]] = {}  # storage ptr -> (unit, base)
+        self.originals: dict[tuple[int, str], Any] = {}
+
+    def _items(self, unit: _Unit) -> list[tuple[Any, Any]]:
+        return [(x, role_layout(x, "compute")) for _, x, _ in unit.slots if isinstance(x, Sharded)]
+
+    def _start(self, unit: _Unit) -> Gathered:
+        if unit.index not in self.pending:
+            self.pending[unit.index] = start_gather(self._items(unit))
+        return self.pending[unit.index]
+
+    def enter(self, unit: _Unit) -> None:
+        if self.differentiable:
+            values = [transfer(x, layout).local for x, layout in self._items(unit)]
+        else:
+            gathered = self._start(unit)
+            self.pending.pop(unit.index, None)
+            values = gathered.wait()
+            self.live[unit.index] = gathered
+            for j, base in enumerate(gathered.bases):
+                if base.numel():
+                    self.saved[base.untyped_storage().data_ptr()] = (unit.index, j)
+        if self.prefetch and not self.differentiable and unit.index + 1 < len(self.units):
+            self._start(self.units[unit.index + 1])
+        it = iter(values)
+        for _path, x, where in unit.slots:
+            value = next(it) if isinstance(x, Sharded) else x
+            if self.tape is not None:
+                value = self.tape.lift(x, value)
+            for module, name, is_param in where:
+                table = module._parameters if is_param else module._buffers
+                self.originals.setdefault((id(module), name), (table, name, table[name]))
+                table[name] = value
+
+    def leave(self, unit: _Unit) -> None:
+        for _, _, where in unit.slots:
+            for module, name, _ in where:
+                table, _, original = self.originals.pop((id(module), name))
+                table[name] = original
+        gathered = self.live.pop(unit.index, None)
+        if gathered is not None:
+            for base in gathered.bases:
+                self.saved.pop(base.untyped_storage().data_ptr(), None)
+
+    def close(self) -> None:
+        for table, name, original in self.originals.values():
+            table[name] = original
+        self.originals.clear()
+        for gathered in self.pending.values():
+            gathered.wait()  # every rank started it: finish it, then drop it
+        self.pending.clear()
+
+    # -- saved tensors ---------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        where = self.saved.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if where is None:
+            return t
+        return self.tape.token(self, where, t)
+
+    def regather(self, unit_index: int) -> Gathered:
+        return start_gather(self._items(self.units[unit_index]))
+
+
+def apply(
+    model: nn.Module,
+    params: dict[str, Any],
+    *args: Any,
+    units: Units = None,
+    prefetch: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Call ``model(*args, **kwargs)`` with its parameters and buffers taken
+    from ``params`` (a dict of tensors or :class:`Sharded` leaves keyed like
+    :func:`shardax.params_of`), each module's relaid to its compute layout
+    just in time: under ``rules.zero(3)`` all-gathered when its unit starts,
+    released when it ends, and gathered again for backward. ``model`` may
+    live on the ``meta`` device; it is never modified.
+
+    Args:
+        model: the module (its own parameters are ignored).
+        params: the parameters and buffers, by key path.
+        *args: positional arguments of ``model``'s forward.
+        units: which modules gather together: a regex over module paths, a
+            predicate ``(path, module) -> bool``, or None for the root plus
+            every module held in a ``ModuleList``/``ModuleDict``/``Sequential``.
+        prefetch: start the next unit's gather while this one computes.
+        **kwargs: keyword arguments of ``model``'s forward.
+
+    Returns:
+        Whatever ``model`` returns.
+
+    >>> import torch, shardax as sx
+    >>> mesh = sx.Mesh({"dp": 1})
+    >>> with torch.device("meta"):
+    ...     model = torch.nn.Linear(3, 2)
+    >>> params = sx.shard({"weight": torch.ones(2, 3), "bias": torch.zeros(2)}, mesh, sx.rules.zero(3))
+    >>> sx.apply(model, params, torch.ones(1, 3))
+    tensor([[3., 3.]])
+    """
+    if not isinstance(model, nn.Module):
+        raise ShardingError(f"apply needs an nn.Module; got {type(model).__name__}")
+    if not isinstance(params, dict) or any(not isinstance(k, str) for k in params):
+        raise ShardingError(
+            "apply takes params as a dict keyed by parameter path (as shardax.params_of returns)"
+        )
+    from ._grad import current_tape
+
+    tape = current_tape()
+    run = _Run(_plan(model, params, units), tape, prefetch)
+    hooks = []
+    try:
+        for unit in run.units[1:]:
+            hooks.append(unit.module.register_forward_pre_hook(_pre(run, unit)))
+            hooks.append(unit.module.register_forward_hook(_post(run, unit), always_call=True))
+        run.enter(run.units[0])
+        if tape is not None:
+            with torch.autograd.graph.saved_tensors_hooks(run.pack, tape.unpack):
+                out = model(*args, **kwargs)
+        else:
+            out = model(*args, **kwargs)
+        run.leave(run.units[0])
+    finally:
+        for h in hooks:
+            h.remove()
+        run.close()
+    return out
+
+
+def _pre(run: _Run, unit: _Unit) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Sequence[Any]) -> None:
+        run.enter(unit)
+
+    return hook
+
+
+def _post(run: _Run, unit: _Unit) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Sequence[Any], output: Any) -> None:
+        run.leave(unit)
+
+    return hook

@@ -1,0 +1,250 @@
+"""``value_and_grad``: the loss and the gradients of a function of sharded
+parameters, each gradient reduced to the layout its placement asks for.
+
+Gradient convention (see docs/collectives.md): every rank's local gradient
+is a *contribution*, and the true gradient is their sum. Each rank returns
+its own loss (a mean over its local batch); the value is the mean over all
+ranks and backward is seeded with ``1 / world size``, so a value computed
+identically on several ranks (tensor-parallel replicas) is counted once and
+data-parallel ranks average, as PyTorch DDP does. Contributions are then
+summed into the gradient layout: ``psum`` where it is replicated (ZeRO 0/1),
+``psum_scatter`` where it is split (ZeRO 2/3), in buckets started while
+backward still runs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from .._tree import flatten_with_paths
+from ..errors import ShardingError
+from ._fused import Gathered, Reducer
+from ._placement import role_layout
+from ._sharded import Sharded
+from ._transfer import transfer
+
+__all__ = ["current_tape", "value_and_grad"]
+
+_TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("shardax_tape", default=None)
+
+
+def current_tape() -> Tape | None:
+    """The tape of the :func:`value_and_grad` call running now, if any."""
+    return _TAPE.get()
+
+
+class _Lift(torch.autograd.Function):
+    """Identity on a gathered parameter whose backward hands the gradient to
+    a sink instead of flowing it into the gather (so the gathered tensor
+    need not live until backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor, sink: Any) -> torch.Tensor:
+        ctx.sink = sink
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None, None]:
+        ctx.sink(g)
+        return None, None, None
+
+
+class _Slot:
+    """One tracked parameter and its reduced gradient (no reference back to
+    the tape: no cycle keeps gradients alive after the call)."""
+
+    __slots__ = ("grad", "leaf", "path", "reducer")
+
+    def __init__(self, reducer: Reducer, path: str, leaf: Any) -> None:
+        self.reducer, self.path, self.leaf = reducer, path, leaf
+        self.grad: torch.Tensor | None = None
+
+    def add(self, g: torch.Tensor) -> None:
+        self.grad = g if self.grad is None else self.grad + g
+
+    def sink(self, g: torch.Tensor) -> None:
+        x = self.leaf
+        compute = role_layout(x, "compute")
+        self.reducer.add(g, compute.dual(), role_layout(x, "grads"), x.shape, self.add)
+
+
+class Tape:
+    """What one :func:`value_and_grad` call tracks: its parameters, the
+    gathered tensors saved for backward, and the gradient reducer."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.reducer = Reducer(bucket_bytes)
+        self.slots: dict[int, _Slot] = {}
+        self.tokens: dict[tuple[int, int], int] = {}
+        self.regathered: dict[tuple[int, int], Gathered] = {}
+
+    def track(self, tree: Any) -> tuple[Any, list[tuple[str, Any, Any]]]:
+        paths, leaves, spec = flatten_with_paths(
+            tree, is_leaf=lambda x: isinstance(x, Sharded), none_is_leaf=True
+        )
+        out, tracked = [], []
+        for path, x in zip(paths, leaves, strict=True):
+            if isinstance(x, Sharded) and x.dtype.is_floating_point:
+                t = Sharded(
+                    x.local.detach().requires_grad_(), x.layout, x.shape, placement=x.placement
+                )
+                self.slots[id(t)] = _Slot(self.reducer, path, t)
+            elif isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+                t = x.detach().requires_grad_()
+            else:
+                out.append(x)
+                tracked.append((path, x, None))
+                continue
+            out.append(t)
+            tracked.append((path, x, t))
+        return optree.tree_unflatten(spec, out), tracked
+
+    def lift(self, x: Any, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (the gathered ``x``) as a tensor whose gradient goes to
+        ``x``'s slot."""
+        slot = self.slots.get(id(x))
+        if slot is None:
+            return x if isinstance(x, torch.Tensor) else value
+        return _Lift.apply(self.anchor, value, slot.sink)
+
+    # -- saved tensors ---------------------------------------------------------
+
+    def token(self, run: Any, where: tuple[int, int], t: torch.Tensor) -> Any:
+        key = (id(run), where[0])
+        self.tokens[key] = self.tokens.get(key, 0) + 1
+        return (run, where, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        run, (unit, base), size, stride, offset = packed
+        key = (id(run), unit)
+        gathered = self.regathered.get(key)
+        if gathered is None:
+            gathered = self.regathered[key] = run.regather(unit)
+        gathered.wait()
+        if run.prefetch:
+            self._prefetch(run, unit - 1)
+        left = self.tokens.get(key, 1) - 1
+        self.tokens[key] = left
+        t = gathered.bases[base].as_strided(size, stride, offset)
+        if left <= 0:
+            self.regathered.pop(key, None)
+        return t
+
+    def _prefetch(self, run: Any, unit: int) -> None:
+        key = (id(run), unit)
+        if unit >= 0 and self.tokens.get(key, 0) > 0 and key not in self.regathered:
+            self.regathered[key] = run.regather(unit)
+
+    def finish(self) -> None:
+        for gathered in self.regathered.values():
+            gathered.wait()
+        self.regathered.clear()
+        self.reducer.finish()
+
+
+def value_and_grad(
+    fn: Callable[..., Any],
+    argnums: int = 0,
+    has_aux: bool = False,
+    *,
+    bucket_bytes: int = 25 * 2**20,
+) -> Callable[..., Any]:
+    """A function returning ``(value, grads)`` of ``fn`` with respect to its
+    argument ``argnums`` (a pytree of parameters: :class:`Sharded` leaves or
+    tensors), like ``jax.value_and_grad``.
+
+    ``fn`` returns this rank's scalar loss (the mean over its local batch;
+    with ``has_aux``, ``(loss, aux)``). The value is the mean over all ranks;
+    grads are the gradients of that mean, shaped like the parameters, each
+    ``Sharded`` in its placement's grads layout (replicated under ZeRO 0/1,
+    split under ZeRO 2/3). A leaf that no gradient reached (a buffer, an
+    unused or integer parameter) gets None, as ``p.grad`` is None in PyTorch.
+
+    Args:
+        fn: the function to differentiate.
+        argnums: which positional argument holds the parameters.
+        has_aux: ``fn`` returns ``(loss, aux)``; the result is then
+            ``((value, aux), grads)``.
+        bucket_bytes: gradient reductions travel in buckets of about this
+            size, each started as soon as it fills during backward.
+
+    >>> import torch, shardax as sx
+    >>> mesh = sx.Mesh({"dp": 1})
+    >>> params = sx.shard({"w": torch.tensor([1.0, 2.0])}, mesh, sx.rules.zero(2))
+    >>> value, grads = sx.value_and_grad(lambda p: (sx.gather(p)["w"] ** 2).sum())(params)
+    >>> value, grads["w"].local
+    (tensor(5.), tensor([2., 4.]))
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not 0 <= argnums < len(args):
+            raise ShardingError(
+                f"value_and_grad: argnums={argnums} but the function got {len(args)} positional "
+                "arguments; pass the parameters positionally"
+            )
+        tape = Tape(bucket_bytes)
+        traced, tracked = tape.track(args[argnums])
+        new_args = (*args[:argnums], traced, *args[argnums + 1 :])
+        meshes = {x.mesh for _, x, _ in tracked if isinstance(x, Sharded)}
+        world = max((m.world_size for m in meshes), default=1)
+        token = _TAPE.set(tape)
+        try:
+            out = fn(*new_args, **kwargs)
+            loss, aux = out if has_aux else (out, None)
+            _check_loss(loss)
+            if loss.requires_grad:
+                loss.backward(torch.full_like(loss, 1.0 / world))
+        finally:
+            _TAPE.reset(token)
+            tape.finish()
+        grads = [_grad_of(tape, x, t) for _, x, t in tracked]
+        value = loss.detach()
+        if world > 1:
+            from ..collectives._api import pmean
+
+            mesh = next(iter(meshes))
+            value = pmean(value, mesh.axis_names, mesh=mesh)
+        _, _, spec = flatten_with_paths(
+            args[argnums], is_leaf=lambda x: isinstance(x, Sharded), none_is_leaf=True
+        )
+        grads_tree = optree.tree_unflatten(spec, grads)
+        return ((value, aux), grads_tree) if has_aux else (value, grads_tree)
+
+    return wrapped
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)
+        raise ShardingError(
+            f"value_and_grad: the function must return a scalar loss tensor (or (loss, aux) with "
+            f"has_aux=True); got {what}"
+        )
+    if not loss.dtype.is_floating_point:
+        raise ShardingError(f"value_and_grad: the loss must be floating point; got {loss.dtype}")
+
+
+def _grad_of(tape: Tape, x: Any, t: Any) -> Any:
+    if t is None:
+        return None
+    if not isinstance(x, Sharded):
+        return t.grad
+    slot = tape.slots[id(t)]
+    grads_layout = role_layout(t, "grads")
+    g = slot.grad
+    if t.local.grad is not None:  # used outside apply: contributions in the dual layout
+        other = transfer(Sharded(t.local.grad, t.layout.dual(), t.shape), grads_layout).local
+        g = other if g is None else g + other
+    if g is None:
+        return None
+    return Sharded(g, grads_layout, t.shape)

@@ -1,0 +1,179 @@
+"""Roles of a parameter: where it is stored, computed with, reduced to and
+optimised in — and ``ShardOver``, the rule that makes ZeRO.
+
+A parameter has four layouts. Its *params* layout is where it lives between
+steps (the ``Sharded`` leaf's own layout). Its *compute* layout is what the
+module sees inside :func:`shardax.apply` (tensor-parallel splits stay, data
+axes are gathered). Its *grads* layout is where :func:`shardax.value_and_grad`
+reduces its gradient to, and its *opt_state* layout is where the optimizer
+keeps its moments. ZeRO stages differ only in which of the last three are
+split over the data axes (Rajbhandari et al., 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models"):
+
+=====  ===========  =============  ============
+stage  params       grads          opt_state
+=====  ===========  =============  ============
+0      replicated   replicated     replicated
+1      replicated   replicated     split
+2      replicated   split          split
+3      split        split          split
+=====  ===========  =============  ============
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from ..errors import ShardingError
+from ..mesh._mesh import AbstractMesh, normalize_axes
+from ._layout import Layout
+from ._spec import P, PartitionSpec
+
+__all__ = ["ROLES", "Placement", "ShardOver", "role_layout"]
+
+ROLES = ("params", "compute", "grads", "opt_state")
+_SPLITTABLE = ("params", "grads", "opt_state")
+
+
+def _roles(value: str | Iterable[str]) -> tuple[str, ...]:
+    roles = (value,) if isinstance(value, str) else tuple(value)
+    for role in roles:
+        if role not in _SPLITTABLE:
+            raise ShardingError(
+                f"ShardOver roles are some of {_SPLITTABLE!r}; got {role!r} (the compute layout "
+                "comes from the ordinary rules)"
+            )
+    return tuple(r for r in _SPLITTABLE if r in roles)
+
+
+def _axes(value: str | Iterable[str]) -> tuple[str, ...]:
+    axes = normalize_axes(value)
+    if not axes:
+        raise ShardingError("ShardOver needs at least one mesh axis, e.g. ShardOver('dp')")
+    return axes
+
+
+@attrs.frozen(repr=False)
+class ShardOver:
+    """Additionally split the leaves matching ``pattern`` over ``axis`` in the
+    given roles, on top of the spec the ordinary rules give them. The split
+    goes on the first dim that stays evenly divisible (else dim 0, in uneven
+    chunks), after any axes already on that dim; leaves already split over
+    ``axis`` and scalars are left alone. ``rules.zero`` is made of these.
+
+    >>> from shardax import AbstractMesh, P
+    >>> over = ShardOver("dp", roles=("grads", "opt_state"))
+    >>> over
+    ShardOver('dp', roles=('grads', 'opt_state'))
+    >>> mesh = AbstractMesh({"dp": 2, "tp": 2})
+    >>> over.extend(P("tp", None), (8, 6), mesh)
+    P(('tp', 'dp'))
+    >>> over.extend(P(), (3, 4), mesh)
+    P(None, 'dp')
+    """
+
+    axis: tuple[str, ...] = attrs.field(converter=_axes)
+    roles: tuple[str, ...] = attrs.field(default=_SPLITTABLE, converter=_roles)
+    pattern: str = ".*"
+    _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
+
+    @_regex.default
+    def _make_regex(self) -> re.Pattern[str]:
+        try:
+            return re.compile(self.pattern)
+        except re.error as err:
+            raise ShardingError(
+                f"ShardOver pattern {self.pattern!r} is not a valid regex: {err}"
+            ) from None
+
+    def matches(self, path: str) -> bool:
+        return self._regex.fullmatch(path) is not None
+
+    def extend(
+        self, spec: PartitionSpec, shape: Sequence[int], mesh: AbstractMesh
+    ) -> PartitionSpec:
+        """``spec`` with ``axis`` added on the dim it fits best."""
+        mesh.check_axes(self.axis, what=f"axes of {self!r}")
+        if not shape or any(a in spec.axes for a in self.axis):
+            return spec
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        new = math.prod(mesh.size(a) for a in self.axis)
+
+        def existing(d: int) -> tuple[str, ...]:
+            e = entries[d]
+            return () if e is None else (e,) if isinstance(e, str) else tuple(e)
+
+        def fits(d: int) -> bool:
+            have = math.prod(mesh.size(a) for a in existing(d))
+            return shape[d] % (have * new) == 0 and shape[d] >= have * new
+
+        dim = next((d for d in range(len(shape)) if fits(d)), 0)
+        axes = existing(dim) + self.axis
+        entries[dim] = axes[0] if len(axes) == 1 else axes
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    def __repr__(self) -> str:
+        axis = self.axis[0] if len(self.axis) == 1 else self.axis
+        roles = "" if self.roles == _SPLITTABLE else f", roles={self.roles!r}"
+        pattern = "" if self.pattern == ".*" else f", pattern={self.pattern!r}"
+        return f"ShardOver({axis!r}{roles}{pattern})"
+
+
+@attrs.frozen(repr=False)
+class Placement:
+    """The layouts of a parameter's other roles (its own layout is the params
+    role). Built by :func:`shardax.shard` from rules; carried by the
+    ``Sharded`` parameter so that :func:`shardax.apply`,
+    :func:`shardax.value_and_grad` and the optimizers need no rules.
+
+    >>> from shardax import AbstractMesh, Layout, P
+    >>> mesh = AbstractMesh({"dp": 2})
+    >>> Placement(Layout(mesh), Layout(mesh, P("dp")), Layout(mesh, P("dp")))
+    Placement(compute=P(), grads=P('dp'), opt_state=P('dp'))
+    """
+
+    compute: Layout
+    grads: Layout
+    opt_state: Layout
+
+    def __attrs_post_init__(self) -> None:
+        meshes = {self.compute.mesh, self.grads.mesh, self.opt_state.mesh}
+        if len(meshes) != 1:
+            raise ShardingError(f"a Placement's layouts must share one mesh; got {meshes!r}")
+        for role in ("compute", "grads", "opt_state"):
+            if getattr(self, role).partial:
+                raise ShardingError(f"a Placement's {role} layout cannot be partial")
+
+    def __repr__(self) -> str:
+        return (
+            f"Placement(compute={self.compute.spec!r}, grads={self.grads.spec!r}, "
+            f"opt_state={self.opt_state.spec!r})"
+        )
+
+
+def role_layout(x: Any, role: str) -> Layout:
+    """The layout of ``x`` (a ``Sharded`` parameter) in ``role``: its own for
+    ``"params"``; from its placement otherwise; without a placement (sharded by
+    spec, not rules) compute is replicated and grads / opt_state follow the
+    params.
+
+    >>> import torch, shardax as sx
+    >>> x = sx.shard(torch.ones(4), sx.Mesh({"dp": 1}), sx.P("dp"))
+    >>> role_layout(x, "compute"), role_layout(x, "grads")
+    (Layout(Mesh({'dp': 1}), P()), Layout(Mesh({'dp': 1}), P('dp')))
+    """
+    if role not in ROLES:
+        raise ShardingError(f"unknown role {role!r}; roles are {ROLES!r}")
+    if role == "params":
+        return x.layout
+    placement = getattr(x, "placement", None)
+    if placement is None:
+        return Layout(x.mesh) if role == "compute" else x.layout
+    return getattr(placement, role)

@@ -1,0 +1,53 @@
+"""The training benchmark runs end to end (``--smoke``: tiny GPT, fresh ranks
+per mode), every mode starts from the same loss, and the example model's
+docstring examples hold."""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_MODES = {"ddp", "fsdp2", "shardax0", "shardax1", "shardax2", "shardax3"}
+
+
+def test_gpt_docstring_examples():
+    spec = importlib.util.spec_from_file_location("gpt", ROOT / "examples" / "gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_train_benchmark_smoke(tmp_path):
+    out = tmp_path / "train.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/train.py", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    header, rows, summary = lines[0], lines[1:-1], lines[-1]
+    assert header["benchmark"] == "train" and header["nproc"] == 2
+    assert set(header["modes"]) == SMOKE_MODES and header["skipped"] == {}
+    assert [r["mode"] for r in rows] == header["modes"]  # one repeat, in order
+    for r in rows:
+        assert "error" not in r, r
+        assert r["tokens_per_s"] > 0 and r["step_s"] > 0
+        assert len(r["peak_rss_mib_per_rank"]) == 2
+        assert r["peak_rss_mib"] == max(r["peak_rss_mib_per_rank"])
+        assert len(r["losses"]) == header["warmup"] + header["steps"]
+    stats = summary["summary"]
+    assert set(stats) == set(header["modes"])
+    assert "warning" not in summary, summary["warning"]
+    assert summary["first_loss_spread"] <= 1e-4
+    assert stats["fsdp2"]["tokens_per_s_vs_fsdp2"] == 1.0
+    result = json.loads(out.read_text())
+    assert result["summary"] == stats and len(result["runs"]) == len(rows)
