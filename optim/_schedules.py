@@ -98,6 +98,20 @@ def cosine_decay_schedule(
     return schedule
 
 
+def _warmup_args(
+    peak_value: float, warmup_steps: int, decay_steps: int, init_value: float, end_value: float
+) -> tuple[float, int, int, float, float]:
+    """The checked arguments of a warmup-then-decay schedule."""
+    peak = _number("peak_value", peak_value)
+    warm = _steps("warmup_steps", warmup_steps, minimum=0)
+    total = _steps("decay_steps", decay_steps)
+    if total <= warm:
+        raise ValueError(
+            f"decay_steps ({total}) counts the warmup too; it must exceed warmup_steps ({warm})"
+        )
+    return peak, warm, total, _number("init_value", init_value), _number("end_value", end_value)
+
+
 def warmup_cosine_decay_schedule(
     peak_value: float,
     warmup_steps: int,
@@ -116,14 +130,9 @@ def warmup_cosine_decay_schedule(
     >>> [round(s(i), 4) for i in range(8)]
     [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464, 0.0, 0.0]
     """
-    peak = _number("peak_value", peak_value)
-    warm = _steps("warmup_steps", warmup_steps, minimum=0)
-    total = _steps("decay_steps", decay_steps)
-    if total <= warm:
-        raise ValueError(
-            f"decay_steps ({total}) counts the warmup too; it must exceed warmup_steps ({warm})"
-        )
-    init, end = _number("init_value", init_value), _number("end_value", end_value)
+    peak, warm, total, init, end = _warmup_args(
+        peak_value, warmup_steps, decay_steps, init_value, end_value
+    )
     exponent = validate("exponent", exponent, low_open=True)
 
     def schedule(step: int) -> float:
@@ -154,14 +163,9 @@ def warmup_linear_decay_schedule(
     >>> [s(i) for i in range(8)]
     [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
     """
-    peak = _number("peak_value", peak_value)
-    warm = _steps("warmup_steps", warmup_steps, minimum=0)
-    total = _steps("decay_steps", decay_steps)
-    if total <= warm:
-        raise ValueError(
-            f"decay_steps ({total}) counts the warmup too; it must exceed warmup_steps ({warm})"
-        )
-    init, end = _number("init_value", init_value), _number("end_value", end_value)
+    peak, warm, total, init, end = _warmup_args(
+        peak_value, warmup_steps, decay_steps, init_value, end_value
+    )
 
     def schedule(step: int) -> float:
         if step < warm:
