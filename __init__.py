@@ -14,10 +14,12 @@ tensor([[0., 1.],
         [4., 5.]])
 """
 
+from . import ckpt as ckpt
 from . import collectives as collectives
 from . import data as data
 from . import optim as optim
 from . import rules as rules
+from .errors import CheckpointError as CheckpointError
 from .errors import CollectiveError as CollectiveError
 from .errors import CollectiveTimeoutError as CollectiveTimeoutError
 from .errors import LaunchError as LaunchError
@@ -49,6 +51,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AbstractMesh",
+    "CheckpointError",
     "CollectiveError",
     "CollectiveTimeoutError",
     "Layout",
@@ -63,6 +66,7 @@ __all__ = [
     "ShardingError",
     "Sharded",
     "apply",
+    "ckpt",
     "collectives",
     "data",
     "explain",

@@ -14,6 +14,7 @@ MeshError
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "CollectiveError",
     "CollectiveTimeoutError",
     "LaunchError",
@@ -42,6 +43,13 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
     The message names the op, the mesh axes, the ranks of the group, and which
     of them did not arrive.
     """
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read as asked: keys missing or
+    unexpected, shapes that differ, a corrupt or truncated file (named with
+    the tensor), an unsafe file name in an index, a save not every rank
+    joined."""
 
 
 class LaunchError(RuntimeError):

@@ -98,13 +98,41 @@ def translate_error(group: Group, op: str, seq: int, err: BaseException) -> Coll
     that names the op, the axes, the ranks, and (on a timeout) which ranks did
     not arrive."""
     where = f"{op} over {group.label} (collective #{seq} on ranks {list(group.members)})"
+    timeout = group.state.timeout if group.state else 0.0
+    grace = min(5.0, max(timeout, 0.5))
     if not _is_timeout(err):
+        if _is_peer_closed(err):
+            # A peer that timed out on this collective closes its connections,
+            # and ranks still waiting see that before their own timer fires:
+            # the cause is the rank that never came, so report it as the
+            # timeout it is when some peer did time out here.
+            arrived, missing, elsewhere = _who_arrived(group, op, seq, grace=grace)
+            if missing and set(arrived) - {group.rank}:
+                how = (
+                    f"was abandoned on rank {group.rank} when a peer timed out after {timeout:g} s"
+                )
+                return _timeout_error(where, how, arrived, missing, elsewhere)
         return CollectiveError(
             f"{where} failed on rank {group.rank}: {err}. If a peer crashed, its own traceback "
             "names the cause; every rank must issue the same collectives in the same order."
         )
-    timeout = group.state.timeout if group.state else 0.0
-    arrived, missing, elsewhere = _who_arrived(group, op, seq, grace=min(5.0, max(timeout, 0.5)))
+    arrived, missing, elsewhere = _who_arrived(group, op, seq, grace=grace)
+    how = f"did not complete within {timeout:g} s on rank {group.rank}"
+    return _timeout_error(where, how, arrived, missing, elsewhere)
+
+
+def _is_peer_closed(err: BaseException) -> bool:
+    text = str(err).lower()
+    return "connection closed by peer" in text or "connection reset" in text
+
+
+def _timeout_error(
+    where: str,
+    how: str,
+    arrived: list[int],
+    missing: list[int],
+    elsewhere: list[tuple[int, str]],
+) -> CollectiveTimeoutError:
     detail = ""
     if missing:
         detail = f" Ranks that did not arrive: {missing}"
@@ -112,7 +140,7 @@ def translate_error(group: Group, op: str, seq: int, err: BaseException) -> Coll
             detail += " (" + "; ".join(f"rank {r} is waiting in {w}" for r, w in elsewhere) + ")"
         detail += f"; ranks that arrived: {arrived}."
     return CollectiveTimeoutError(
-        f"{where} did not complete within {timeout:g} s on rank {group.rank}.{detail} "
+        f"{where} {how}.{detail} "
         "A rank that skipped or reordered this collective (rank-local control flow), a dead rank, "
         "or a rank stuck elsewhere causes this; if the work is only slow, raise the timeout "
         "(shardax.init(timeout=...) or Mesh(..., timeout=...))."

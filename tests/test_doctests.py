@@ -22,6 +22,7 @@ PUBLIC = [
     "shardax.collectives",
     "shardax.rules",
     "shardax.launch",
+    "shardax.ckpt",
     "shardax.data",
     "shardax.optim",
 ]

@@ -15,6 +15,7 @@ from shardax.cli import main
 SURFACE = {
     "shardax": [
         "AbstractMesh",
+        "CheckpointError",
         "CollectiveError",
         "CollectiveTimeoutError",
         "Layout",
@@ -29,6 +30,7 @@ SURFACE = {
         "ShardingError",
         "Sharded",
         "apply",
+        "ckpt",
         "collectives",
         "data",
         "explain",
@@ -44,6 +46,18 @@ SURFACE = {
         "shutdown",
         "transfer",
         "value_and_grad",
+    ],
+    "shardax.ckpt": [
+        "AsyncSave",
+        "Box",
+        "CheckpointManager",
+        "Index",
+        "TensorEntry",
+        "ValueEntry",
+        "load",
+        "read_index",
+        "save",
+        "save_async",
     ],
     "shardax.mesh": [
         "AbstractMesh",
@@ -172,6 +186,7 @@ SURFACE = {
     ],
     "shardax.data": ["Sampler", "TextDataset", "batches", "shard_batch", "shard_batches"],
     "shardax.errors": [
+        "CheckpointError",
         "CollectiveError",
         "CollectiveTimeoutError",
         "LaunchError",

@@ -23,6 +23,7 @@ class Case(NamedTuple):
     make: Callable[[], optim.GradientTransformation]
     torch_ref: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
     hand_ref: Callable[[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]], Any] | None = None
+    tol: float = 1e-6  # rtol and atol after 50 steps
 
 
 # -- hand-written references of the papers' updates -------------------------------
@@ -135,6 +136,10 @@ OPTIMIZERS: dict[str, Case] = {
     "rmsprop_momentum": Case(
         lambda: optim.rmsprop(1e-2, momentum=0.9),
         lambda ps: T.RMSprop(ps, lr=1e-2, momentum=0.9),
+        # torch applies the momentum buffer as one `param.add_(buf, alpha=-lr)`
+        # (a single rounding, an FMA on some hosts); the chain rounds -lr * buf
+        # first: an ulp a step, which the 0.9 momentum carries along.
+        tol=1e-5,
     ),
     "lion": Case(
         lambda: optim.lion(1e-3, weight_decay=0.1), hand_ref=lion_ref(1e-3, 0.9, 0.99, 0.1)
@@ -209,7 +214,9 @@ def test_matches_reference_over_50_steps(name):
     case = OPTIMIZERS[name]
     ours, ref = run_ours(case, 50), run_reference(case, 50)
     for k in ref:
-        torch.testing.assert_close(ours[k], ref[k], rtol=1e-6, atol=1e-6, msg=f"{name}: {k}")
+        torch.testing.assert_close(
+            ours[k], ref[k], rtol=case.tol, atol=case.tol, msg=f"{name}: {k}"
+        )
     moved = sum((ours[k] - init_params()[k]).abs().sum() for k in ours)
     assert moved > 1e-3, f"{name} barely moved the params: the comparison would prove nothing"
 

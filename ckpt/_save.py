@@ -1,0 +1,433 @@
+"""``save`` and ``save_async``: every rank writes the boxes it owns, rank 0
+writes the index and commits the directory with a rename.
+
+Ranks agree through torch.distributed's key-value store, not through
+collectives, so a background save never interleaves with the training
+step's collectives, and a save some rank never joins times out with the
+missing ranks named instead of hanging.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import threading
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import optree
+import torch
+import torch.distributed as dist
+
+from .._tree import render_path
+from ..errors import CheckpointError
+from ..mesh._mesh import Mesh
+from ..mesh._runtime import _timeout_seconds
+from ..shard._sharded import Sharded
+from ..shard._spec import P
+from ._format import (
+    INDEX,
+    Box,
+    Index,
+    TensorEntry,
+    ValueEntry,
+    dtype_name,
+    write_index,
+    write_safetensors,
+)
+
+__all__ = ["AsyncSave", "save", "save_async"]
+
+# save() is collective and called in the same order on every rank, so each
+# rank numbers its saves alike; the number keys that save in the store.
+_SEQ = itertools.count()
+_LOCK = threading.Lock()
+_IN_FLIGHT: list[AsyncSave] = []  # at most one background save per process
+
+
+def _key_of(entry: Any) -> Any:
+    key = getattr(entry, "field", None) or entry.entry
+    return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
+
+
+def flatten(tree: Any) -> tuple[list[str], list[tuple[Any, ...]], list[Any]]:
+    """``(paths, keys, leaves)`` with ``Sharded`` and None as leaves."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(
+        tree, is_leaf=lambda x: isinstance(x, Sharded), none_is_leaf=True
+    )
+    keys = [tuple(_key_of(e) for e in a) for a in accessors]
+    return [render_path(k) for k in keys], keys, leaves
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _json_value(path: str, x: Any) -> Any:
+    if isinstance(x, np.generic):
+        x = x.item()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise CheckpointError(
+        f"cannot store {type(x).__name__} at {path!r}: a checkpoint holds tensors, Sharded values "
+        "and JSON scalars (int, float, str, bool, None) — convert it (e.g. to a tensor or a dict of "
+        "scalars) before saving"
+    )
+
+
+def _file(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def _sharded_boxes(path: str, x: Sharded, world: int) -> list[tuple[int, tuple, tuple]]:
+    """``(owner, offsets, sizes)`` of each distinct non-empty box of ``x``:
+    the lowest rank holding a box writes it."""
+    if x.partial:
+        raise CheckpointError(
+            f"{path!r} is a pending sum over {x.partial!r} ({x.layout!r}); transfer it to a "
+            "layout without partial axes before saving"
+        )
+    mesh = x.mesh
+    if mesh.world_size != world:
+        raise CheckpointError(
+            f"{path!r} lives on {mesh!r} ({mesh.world_size} ranks) but the job has {world}; "
+            "save values on meshes over every rank"
+        )
+    seen: dict[tuple, int] = {}
+    out = []
+    for r in range(world):
+        bounds = x.layout.local_bounds(x.shape, r)
+        offsets = tuple(a for a, _ in bounds)
+        sizes = tuple(b - a for a, b in bounds)
+        if (offsets, sizes) in seen or math.prod(sizes) == 0:
+            continue
+        seen[(offsets, sizes)] = r
+        out.append((r, offsets, sizes))
+    return out
+
+
+@attrs.frozen
+class _Plan:
+    """What this rank writes (``items``) and the index it belongs to (the
+    checksums still empty)."""
+
+    rank: int
+    world: int
+    items: list[tuple[str, torch.Tensor]]
+    index: Index
+    python_rng: Any
+    timeout: float
+
+
+def _rng_items(rank: int) -> tuple[list[tuple[str, torch.Tensor]], Any]:
+    items = [("__rng__.torch", torch.get_rng_state())]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        items += [(f"__rng__.cuda.{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+    version, state, gauss = random.getstate()
+    return items, [version, list(state), gauss]
+
+
+def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool) -> _Plan:
+    """Walk ``tree``: the index (every rank computes the same one) and this
+    rank's boxes (copied to CPU when ``copy``, for a background write)."""
+    rank, world = _world()
+    paths, keys, leaves = flatten(tree)
+    if len(set(paths)) != len(paths):
+        dup = sorted({p for p in paths if paths.count(p) > 1})
+        raise CheckpointError(f"two leaves render to the same key path {dup!r}; rename the keys")
+    try:
+        meta = json.loads(json.dumps(dict(metadata or {})))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"metadata must be JSON (dicts, lists, str, numbers, bool, None): {e}"
+        ) from None
+    items: list[tuple[str, torch.Tensor]] = []
+    entries: dict[str, Any] = {}
+    mesh: dict[str, int] = {}
+    timeout = None
+    for path, x in zip(paths, leaves, strict=True):
+        if isinstance(x, Sharded):
+            boxes = _sharded_boxes(path, x, world)
+            layout_mesh, spec, local = x.mesh.shape, x.spec, x.local
+            mesh = mesh or layout_mesh
+            if isinstance(x.mesh, Mesh) and x.mesh.timeout is not None:
+                timeout = x.mesh.timeout
+        elif isinstance(x, torch.Tensor):
+            if x.device.type == "meta":
+                raise CheckpointError(f"{path!r} is a meta tensor: it has no values to save")
+            sizes = tuple(x.shape)
+            boxes = [(0, (0,) * x.ndim, sizes)] if math.prod(sizes) or not sizes else []
+            layout_mesh, spec, local = {}, None, x
+        else:
+            entries[path] = ValueEntry(_json_value(path, x))
+            continue
+        stored = []
+        for owner, offsets, sizes in boxes:
+            name = f"{path}@{','.join(map(str, offsets))}"
+            stored.append(Box(offsets, sizes, _file(owner, world), name))
+            if owner == rank:
+                t = local.detach()
+                items.append((name, t.to("cpu", copy=True) if copy else t))
+        entries[path] = TensorEntry(
+            x.shape, dtype_name(local.dtype), spec if spec is not None else P(), layout_mesh, stored
+        )
+    python_rng = None
+    if rng:
+        rng_items, python_rng = _rng_items(rank)
+        items += [(n, t.clone()) for n, t in rng_items]
+    index = Index(mesh, world, meta, entries, dict(zip(paths, keys, strict=True)))
+    return _Plan(rank, world, items, index, python_rng, _timeout_seconds(timeout))
+
+
+class _Store:
+    """The save's rendezvous in torch.distributed's store (world size > 1)."""
+
+    def __init__(self, seq: int, world: int, timeout: float) -> None:
+        self.prefix = f"shardax/ckpt/{seq}/"
+        self.world = world
+        self.timeout = timeout
+        self.store = dist.distributed_c10d._get_default_store() if world > 1 else None
+        self.local: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        if self.store is None:
+            self.local[key] = value
+        else:
+            self.store.set(self.prefix + key, value)
+
+    def get(self, keys: list[str], what: str) -> list[str]:
+        if self.store is None:
+            return [self.local[k] for k in keys]
+        full = [self.prefix + k for k in keys]
+        try:
+            self.store.wait(full, timedelta(seconds=self.timeout))
+        except Exception:  # the store raises DistStoreError or RuntimeError by version
+            missing = [k for k, f in zip(keys, full, strict=True) if not self.store.check([f])]
+            raise CheckpointError(
+                f"checkpoint save: {what} did not arrive within {self.timeout:g}s (missing: "
+                f"{missing}); save() is collective — call it on every rank, with the same path"
+            ) from None
+        return [self.store.get(f).decode() for f in full]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prepare(final: Path) -> Path:
+    if final.exists() and not (final / INDEX).exists() and any(final.iterdir()):
+        raise CheckpointError(
+            f"refusing to replace {final}: it exists and is not a shardax checkpoint (no {INDEX})"
+        )
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """Swap ``tmp`` into place: a reader sees the old checkpoint or the new one."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _assemble(index: Index, reports: list[dict[str, Any]]) -> Index:
+    sums: dict[str, list[int]] = {}
+    for rep in reports:
+        sums.update(rep["sums"])
+    leaves = {
+        p: attrs.evolve(e, boxes=[attrs.evolve(b, crc32=sums[b.name]) for b in e.boxes])
+        if isinstance(e, TensorEntry)
+        else e
+        for p, e in index.leaves.items()
+    }
+    rng = {}
+    for r, rep in enumerate(reports):
+        tensors = {
+            n: Box([0] * len(shape), shape, _file(r, index.world_size), n, sums[n])
+            for n, shape in rep["rng"].items()
+        }
+        if tensors:
+            rng[r] = {"python": rep["python"], "tensors": tensors}
+    return attrs.evolve(index, leaves=leaves, rng=rng)
+
+
+def _write(p: _Plan, final: Path, seq: int, on_commit: Callable[[], None] | None) -> None:
+    """Every rank's part of a save (runs inline or in the background thread)."""
+    store = _Store(seq, p.world, p.timeout)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if p.rank == 0:
+        try:
+            _prepare(final)
+        except Exception as e:
+            store.set("ready", f"error: {e}")
+            raise
+        store.set("ready", "ok")
+    else:
+        (ready,) = store.get(["ready"], "rank 0's start")
+        if ready != "ok":
+            raise CheckpointError(f"checkpoint save to {final} failed on rank 0: {ready[7:]}")
+    try:
+        sums = write_safetensors(tmp / _file(p.rank, p.world), p.items) if p.items else {}
+        rng = {n: list(t.shape) for n, t in p.items if n.startswith("__rng__.")}
+        report = {"sums": sums, "rng": rng, "python": p.python_rng}
+    except Exception as e:
+        store.set(f"rank{p.rank}", json.dumps({"error": f"rank {p.rank}: {e}"}))
+        raise
+    store.set(f"rank{p.rank}", json.dumps(report))
+    if p.rank == 0:
+        try:
+            raw = store.get([f"rank{r}" for r in range(p.world)], "the shards of every rank")
+            reports = [json.loads(s) for s in raw]
+            errors = [r["error"] for r in reports if "error" in r]
+            if errors:
+                raise CheckpointError(f"checkpoint save to {final} failed: {'; '.join(errors)}")
+            write_index(tmp, _assemble(p.index, reports))
+            _fsync_dir(tmp)
+            _commit(tmp, final)
+            if on_commit is not None:
+                on_commit()
+        except Exception as e:
+            store.set("done", f"error: {e}")
+            raise
+        store.set("done", "ok")
+    else:
+        (done,) = store.get(["done"], "rank 0's commit")
+        if done != "ok":
+            raise CheckpointError(f"checkpoint save to {final} failed: {done[7:]}")
+
+
+class AsyncSave:
+    """A save running in a background thread: ``wait()`` blocks until the
+    checkpoint is committed and raises what went wrong, ``done()`` polls."""
+
+    def __init__(self, path: Path, run: Callable[[], None]) -> None:
+        self.path = path
+        self._error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                run()
+            except BaseException as e:
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name=f"shardax-save {path}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until committed; the checkpoint's path. Raises the save's error."""
+        self._thread.join()
+        with _LOCK:
+            if self in _IN_FLIGHT:
+                _IN_FLIGHT.remove(self)
+        if self._error is not None:
+            raise CheckpointError(
+                f"background save to {self.path} failed: {self._error}"
+            ) from self._error
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"AsyncSave({str(self.path)!r}, done={self.done()})"
+
+
+def wait_pending() -> None:
+    """Finish the background save in flight, if any (raising its error)."""
+    with _LOCK:
+        pending = list(_IN_FLIGHT)
+    for h in pending:
+        h.wait()
+
+
+def save(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    _on_commit: Callable[[], None] | None = None,
+) -> Path:
+    """Save a pytree of ``Sharded`` values, tensors and JSON scalars to the
+    directory ``path``. Collective: call it on every rank.
+
+    Each distinct shard is written once, by the lowest rank holding it, into
+    a temporary sibling directory; rank 0 then writes ``index.json`` and
+    renames the directory into place — a crash at any moment leaves the
+    previous checkpoint or the complete new one. Plain tensors are taken to be
+    the same on every rank (rank 0's copy is written). With ``rng``, each
+    rank's RNG states (torch, CUDA, Python ``random``) are saved too; restore
+    them with ``load(..., rng=True)``.
+
+    Args:
+        path: the checkpoint directory (created; an old checkpoint there is
+            replaced).
+        tree: the pytree to save (params, optimizer state, step, …).
+        metadata: JSON-able user data, returned by ``read_index(path).metadata``.
+        rng: also save every rank's RNG states.
+
+    Returns the checkpoint's path.
+
+    >>> import tempfile, torch, shardax as sx
+    >>> mesh = sx.Mesh({"dp": 1})
+    >>> tree = {"w": sx.shard(torch.arange(6.0).reshape(3, 2), mesh, sx.P("dp")), "step": 3}
+    >>> d = tempfile.mkdtemp()
+    >>> _ = sx.ckpt.save(f"{d}/ckpt", tree, metadata={"run": "demo"})
+    >>> sx.ckpt.load(f"{d}/ckpt", tree)["step"]
+    3
+    """
+    wait_pending()
+    final = Path(path).absolute()
+    p = plan(tree, metadata, rng=rng, copy=False)
+    _write(p, final, next(_SEQ), _on_commit)
+    return final
+
+
+def save_async(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    _on_commit: Callable[[], None] | None = None,
+) -> AsyncSave:
+    """Like :func:`save`, but return once this rank's shards are copied to
+    CPU memory; the files are written and committed in a background thread.
+    At most one background save is in flight: a new save (either kind) first
+    waits for the previous one and raises its error, if any. Call
+    ``handle.wait()`` before exiting.
+
+    >>> import tempfile, torch, shardax as sx
+    >>> d = tempfile.mkdtemp()
+    >>> handle = sx.ckpt.save_async(f"{d}/ckpt", {"w": torch.ones(2)})
+    >>> handle.wait().name
+    'ckpt'
+    """
+    wait_pending()
+    final = Path(path).absolute()
+    p = plan(tree, metadata, rng=rng, copy=True)
+    seq = next(_SEQ)
+    handle = AsyncSave(final, lambda: _write(p, final, seq, _on_commit))
+    with _LOCK:
+        _IN_FLIGHT.append(handle)
+    return handle
