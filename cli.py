@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import click
 
+from .ckpt._cli import ckpt_command
 from .launch._cli import launch_command
 
 __all__ = ["main"]
@@ -23,6 +24,7 @@ def main() -> None:
 
 
 main.add_command(launch_command, "launch")
+main.add_command(ckpt_command, "ckpt")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ from ._format import ValueEntry as ValueEntry
 from ._format import read_index as read_index
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
+from ._offline import consolidate as consolidate
+from ._offline import import_dense as import_dense
+from ._offline import reshard as reshard
+from ._offline import verify as verify
 from ._save import AsyncSave as AsyncSave
 from ._save import save as save
 from ._save import save_async as save_async
@@ -26,8 +30,12 @@ __all__ = [
     "Index",
     "TensorEntry",
     "ValueEntry",
+    "consolidate",
+    "import_dense",
     "load",
     "read_index",
+    "reshard",
     "save",
     "save_async",
+    "verify",
 ]

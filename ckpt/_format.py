@@ -364,8 +364,10 @@ class ShardWriter:
         self,
         path: str | os.PathLike[str],
         tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "shardax"}}
+        meta = {**(metadata or {}), "format": "pt", "writer": "shardax"}
+        header: dict[str, Any] = {"__metadata__": meta}
         start = 0
         self._sizes: list[tuple[str, int]] = []
         for name, dtype, shape in tensors:
@@ -414,6 +416,10 @@ class ShardWriter:
         self._f.write(data)
         self._left -= len(data)
         self._advance()
+
+    def abort(self) -> None:
+        """Close the file without the checks (the caller removes it)."""
+        self._f.close()
 
     def close(self) -> dict[str, tuple[int, ...]]:
         missing = [n for n, _ in self._sizes if n not in self.sums]

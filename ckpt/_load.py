@@ -13,6 +13,7 @@ from typing import Any
 import optree
 import torch
 
+from .._tree import render_path
 from ..errors import CheckpointError
 from ..mesh._mesh import AbstractMesh, Mesh
 from ..shard._layout import Layout
@@ -32,7 +33,7 @@ from ._format import (
 )
 from ._save import _world, flatten, wait_pending
 
-__all__ = ["fill", "load", "restore_rng"]
+__all__ = ["fill", "load", "restore_rng", "spec_by_rules"]
 
 _LAYOUTS = (Layout, NamedSharding, PartitionSpec)
 
@@ -150,6 +151,38 @@ class _Load:
         return Sharded(local, layout, entry.shape, placement=placement)
 
 
+_ROLE_OF = {"opt_state": "opt_state", "grads": "grads"}
+
+
+def spec_by_rules(
+    rules: Rules, keys: Sequence[Any], shape: Sequence[int], mesh: AbstractMesh
+) -> PartitionSpec:
+    """The spec ``rules`` give the saved leaf at ``keys``.
+
+    Rules are written for parameter paths (``blocks.0.attn.weight``), while a
+    training state nests them (``params.blocks.0.attn.weight``,
+    ``opt_state.0.mu.blocks.0.attn.weight``): the first rule matching the
+    whole path or, failing that, its longest matching suffix applies. A leaf
+    under a top-level ``opt_state`` (or ``grads``) key takes that role's spec
+    (``rules.zero`` shards optimizer state further); every other leaf the
+    params' spec.
+
+    >>> import shardax as sx
+    >>> rules = sx.Rules(sx.Rule(r"blocks\\.\\d+\\.w", sx.P("tp")))
+    >>> spec_by_rules(rules, ("opt_state", 0, "mu", "blocks.0.w"), (4, 2), sx.AbstractMesh({"tp": 2}))
+    P('tp')
+    """
+    keys = tuple(keys)
+    role = _ROLE_OF.get(keys[0], "params") if keys else "params"
+    path = render_path(keys)
+    for i in range(len(keys)):
+        suffix = render_path(keys[i:])
+        if rules.match(suffix) is not None:
+            path = suffix
+            break
+    return rules.spec_for(path, shape, mesh, role)
+
+
 def _nest(index: Index, values: dict[str, Any]) -> Any:
     """Nested dicts (lists where keys are 0..n-1) from the stored key paths."""
     root: dict[Any, Any] = {}
@@ -261,13 +294,16 @@ def load(
     job = _Load(root, index, cast, device, verify)
     try:
         if isinstance(target, (Rule, Rules)):
-            rules = target if isinstance(target, Rules) else Rules([target])
+            rules = target if isinstance(target, Rules) else Rules(target)
             if mesh is None:
                 raise CheckpointError("loading by rules needs load(..., mesh=)")
             values = {}
             for p, e in index.leaves.items():
-                spec = rules.spec_for(p, e.shape, mesh) if isinstance(e, TensorEntry) else None
-                values[p] = job.leaf(p, Layout(mesh, spec) if spec is not None else None, mesh)
+                if isinstance(e, TensorEntry):
+                    spec = spec_by_rules(rules, index.keys[p], e.shape, mesh)
+                    values[p] = job.leaf(p, Layout(mesh, spec), mesh)
+                else:
+                    values[p] = job.leaf(p, None, mesh)
             return _nest(index, values)
         if target is None:
             return _nest(index, {p: job.leaf(p, None, mesh) for p in index.leaves})

@@ -31,6 +31,7 @@ from .._tree import render_path
 from ..errors import CheckpointError
 from ..mesh._mesh import Mesh
 from ..mesh._runtime import _timeout_seconds
+from ..shard._layout import Layout
 from ..shard._sharded import Sharded
 from ..shard._spec import P
 from ._format import (
@@ -85,13 +86,16 @@ def _json_value(path: str, x: Any) -> Any:
     )
 
 
+def box_name(path: str, offsets: tuple[int, ...]) -> str:
+    """The safetensors tensor name of the box of ``path`` at ``offsets``."""
+    return f"{path}@{','.join(map(str, offsets))}"
+
+
 def _file(rank: int, world: int) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.safetensors"
 
 
 def _sharded_boxes(path: str, x: Sharded, world: int) -> list[tuple[int, tuple, tuple]]:
-    """``(owner, offsets, sizes)`` of each distinct non-empty box of ``x``:
-    the lowest rank holding a box writes it."""
     if x.partial:
         raise CheckpointError(
             f"{path!r} is a pending sum over {x.partial!r} ({x.layout!r}); transfer it to a "
@@ -103,15 +107,22 @@ def _sharded_boxes(path: str, x: Sharded, world: int) -> list[tuple[int, tuple, 
             f"{path!r} lives on {mesh!r} ({mesh.world_size} ranks) but the job has {world}; "
             "save values on meshes over every rank"
         )
-    seen: dict[tuple, int] = {}
+    return distinct_boxes(x.layout, x.shape)
+
+
+def distinct_boxes(layout: Layout, shape: tuple[int, ...]) -> list[tuple[int, tuple, tuple]]:
+    """``(owner, offsets, sizes)`` of each distinct non-empty box of a global
+    tensor of ``shape`` laid out by ``layout``, owned by the lowest rank that
+    holds it."""
+    seen: set[tuple] = set()
     out = []
-    for r in range(world):
-        bounds = x.layout.local_bounds(x.shape, r)
+    for r in range(layout.mesh.world_size):
+        bounds = layout.local_bounds(shape, r)
         offsets = tuple(a for a, _ in bounds)
         sizes = tuple(b - a for a, b in bounds)
         if (offsets, sizes) in seen or math.prod(sizes) == 0:
             continue
-        seen[(offsets, sizes)] = r
+        seen.add((offsets, sizes))
         out.append((r, offsets, sizes))
     return out
 
@@ -173,7 +184,7 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             continue
         stored = []
         for owner, offsets, sizes in boxes:
-            name = f"{path}@{','.join(map(str, offsets))}"
+            name = box_name(path, offsets)
             stored.append(Box(offsets, sizes, _file(owner, world), name))
             if owner == rank:
                 t = local.detach()
@@ -251,7 +262,7 @@ def _commit(tmp: Path, final: Path) -> None:
 
 
 def _assemble(index: Index, reports: list[dict[str, Any]]) -> Index:
-    sums: dict[str, list[int]] = {}
+    sums: dict[str, list[int]] = {}  # box names are unique; RNG names repeat per rank
     for rep in reports:
         sums.update(rep["sums"])
     leaves = {
@@ -263,7 +274,7 @@ def _assemble(index: Index, reports: list[dict[str, Any]]) -> Index:
     rng = {}
     for r, rep in enumerate(reports):
         tensors = {
-            n: Box([0] * len(shape), shape, _file(r, index.world_size), n, sums[n])
+            n: Box([0] * len(shape), shape, _file(r, index.world_size), n, rep["sums"][n])
             for n, shape in rep["rng"].items()
         }
         if tensors:

@@ -15,8 +15,16 @@ shards; the optimizer updates each rank's shards. The loop is yours.
 
 Rank 0 prints the unigram baseline (the loss of a model that ignores
 context), the loss and throughput every ``--log-every`` steps, the
-validation loss at the end, saves the weights to ``--out`` and prints a
-sample of generated text.
+validation loss at the end and a sample of generated text.
+
+Checkpoints are sharded (``sx.ckpt``): every ``--save-every`` steps and at
+the end, each rank writes its own shards of the parameters and optimizer
+state, with the step and every rank's RNG state, into
+``--out/step-NNNNNNNN`` — in the background, while training goes on.
+``--resume`` continues from the latest one, bit for bit as if the run had
+not stopped. Turn one into a plain safetensors file of the weights with
+
+    shardax ckpt consolidate checkpoints/train_gpt/step-00000300 gpt.safetensors --only params
 """
 
 from __future__ import annotations
@@ -31,11 +39,10 @@ from pathlib import Path
 import attrs
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt import GPT, PRESETS, GPTConfig, generate, param_count
+from gpt import GPT, PRESETS, generate, param_count
 
 import shardax as sx
 from shardax import P
@@ -96,23 +103,6 @@ def evaluate(model: GPT, params: dict, batches: list[dict], mesh: sx.Mesh) -> fl
     return float(sx.collectives.pmean(total / len(batches), "dp", mesh=mesh))
 
 
-def save_checkpoint(out: Path, params: dict, cfg: GPTConfig, info: dict, rank: int) -> Path:
-    """Gather the parameters (collective: every rank calls it) and, on rank 0,
-    write ``out/model.safetensors`` (dense, by parameter path; the tied head is
-    stored once, as ``wte.weight``) and ``out/model.json``.
-
-    A stand-in until sharded checkpoints land in ``shardax.ckpt``.
-    """
-    dense = sx.gather(params)
-    path = out / "model.safetensors"
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in dense.items()}, str(path))
-        meta = {"config": attrs.asdict(cfg), **info}
-        (out / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return path
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,12 +123,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path("checkpoints/train_gpt"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("checkpoints/train_gpt"),
+        help="checkpoint directory: one step-NNNNNNNN folder per save",
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="save every N steps (0: only at the end)"
+    )
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --out"
+    )
+    parser.add_argument(
+        "--metrics", type=Path, help="append each step's loss and lr as JSON lines (rank 0)"
+    )
     parser.add_argument("--sample-tokens", type=int, default=200)
     parser.add_argument("--prompt", default="ROMEO:")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.log_every < 1 or args.eval_batches < 0:
         parser.error("--steps, --batch-size and --log-every must be positive")
+    if args.save_every < 0 or args.keep < 1:
+        parser.error("--save-every must be >= 0 and --keep >= 1")
     if not args.prompt:
         parser.error("--prompt must not be empty")
     if args.warmup is None:
@@ -183,16 +190,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         opt = sx.optim.with_master_weights(opt)
     opt_state = opt.init(params)
 
+    manager = sx.ckpt.CheckpointManager(
+        args.out, every=args.save_every or args.steps, keep=args.keep, async_save=True
+    )
+    run = {"preset": args.preset, "config": attrs.asdict(cfg), "seed": args.seed}
+    start = 0
+    if args.resume:
+        restored = manager.restore({"params": params, "opt_state": opt_state, "step": 0})
+        if restored is None:
+            say(f"no checkpoint in {args.out}: starting from step 0")
+        else:
+            start, state = restored
+            params, opt_state = state["params"], state["opt_state"]
+            say(f"resumed from {manager.path(start)}")
+    metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
+
     def loss_fn(params: dict, batch: dict) -> torch.Tensor:
         return cross_entropy(sx.apply(model, params, batch["x"]), batch["y"])
 
     grad_fn = sx.value_and_grad(loss_fn)
     tokens_per_step = args.batch_size * cfg.seq_len
     started = last = time.perf_counter()
-    for step, batch in enumerate(sx.data.batches(train, sampler, num_steps=args.steps), 1):
+    steps = sx.data.batches(train, sampler, start_step=start, num_steps=args.steps - start)
+    for step, batch in enumerate(steps, start + 1):
         loss, grads = grad_fn(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = sx.optim.apply_updates(params, updates)
+        state = {"params": params, "opt_state": opt_state, "step": step}
+        manager.save(step, state, metadata=run, force=step == args.steps)
+        if metrics is not None:
+            metrics.write(json.dumps({"step": step, "loss": float(loss), "lr": schedule(step - 1)}))
+            metrics.write("\n")
+            metrics.flush()
         if step % args.log_every == 0 or step == args.steps:
             now = time.perf_counter()
             steps_done = args.log_every if step % args.log_every == 0 else step % args.log_every
@@ -202,15 +231,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             last = now
     elapsed = time.perf_counter() - started
+    if metrics is not None:
+        metrics.close()
 
     val_sampler = sx.data.Sampler(len(val), args.batch_size, mesh, P("dp"), shuffle=False)
     val_batches = list(sx.data.batches(val, val_sampler, num_steps=args.eval_batches))
     val_loss = evaluate(model, params, val_batches, mesh) if val_batches else float("nan")
     say(f"val loss {val_loss:.4f} after {args.steps} steps in {elapsed:.0f} s")
 
-    run = {"preset": args.preset, "step": args.steps, "val_loss": val_loss, "seed": args.seed}
-    path = save_checkpoint(args.out, params, cfg, run, rank)
-    say(f"saved {path}")
+    manager.wait()
+    if manager.latest() is not None:
+        say(f"saved {manager.path(manager.latest())}")
 
     if args.sample_tokens > 0:
         prompt = sx.data.TextDataset.encode(args.prompt)[None]

@@ -16,6 +16,7 @@ PAGES = [
     "docs/training.md",
     "docs/optim.md",
     "docs/data.md",
+    "docs/ckpt.md",
 ]
 
 

@@ -1,15 +1,20 @@
 """Checkpoints across real gloo ranks: save on a 2×2 mesh, load on 1, 2 and 4
-ranks under other specs, bit for bit; each box written once; each rank reads
-only what it needs; a save one rank skips fails with that rank named."""
+ranks under other specs, bit for bit — directly, and after an offline
+``shardax ckpt reshard``; each box written once; each rank reads only what
+it needs; a save one rank skips fails with that rank named."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from _dist import RankFailed, run_ranks
+from click.testing import CliRunner
 
 import shardax as sx
 from shardax.ckpt import _format
+from shardax.cli import main
 
 SPECS_2X2 = {
     "w": sx.P("dp", "tp"),  # uneven on both dims
@@ -94,6 +99,71 @@ def test_save_on_2x2_loads_bit_identical_on_any_mesh(tmp_path, world, shape, spe
         assert torch.equal(out["dense"], torch.arange(3)) and out["step"] == 3
 
 
+def _spec_json(spec: sx.P) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    ("world", "shape", "specs"),
+    [
+        (1, {"x": 1}, dict.fromkeys(SPECS_2X2, sx.P())),
+        (
+            2,
+            {"x": 2},
+            {
+                "w": sx.P(None, "x"),
+                "z3": sx.P("x"),
+                "tp": sx.P("x"),
+                "rep": sx.P("x"),
+                "bf": sx.P(),
+            },
+        ),
+        (
+            4,
+            {"a": 2, "b": 2},
+            {
+                "w": sx.P("b", "a"),
+                "z3": sx.P(("b", "a")),
+                "tp": sx.P(("a", "b")),
+                "rep": sx.P("b"),
+                "bf": sx.P(None, ("a", "b")),
+            },
+        ),
+    ],
+)
+def test_offline_reshard_of_a_2x2_save_loads_bit_identical(tmp_path, world, shape, specs):
+    """``shardax ckpt reshard`` (no process group) to the target mesh and
+    specs: the new checkpoint's boxes are exactly each target rank's pieces,
+    so each rank reads one box, and the values are bit for bit the saved ones."""
+    src, dst = str(tmp_path / "ckpt"), str(tmp_path / "resharded")
+    run_ranks(save_2x2, src, world_size=4)
+    spec_file = tmp_path / "specs.json"
+    spec_file.write_text(json.dumps({k: _spec_json(v) for k, v in specs.items()}))
+    mesh = ",".join(f"{k}={v}" for k, v in shape.items())
+    result = CliRunner().invoke(
+        main, ["ckpt", "reshard", src, dst, "--mesh", mesh, "--specs", str(spec_file), "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    index = sx.ckpt.read_index(dst)
+    assert index.world_size == world and index.mesh == shape
+    abstract = sx.AbstractMesh(shape)
+    for k, spec in specs.items():
+        entry = index.leaves[f"params.{k}"]
+        assert entry.spec == spec
+        pieces = {sx.Layout(abstract, spec).local_bounds(entry.shape, r) for r in range(world)}
+        stored = {
+            tuple((o, o + n) for o, n in zip(b.offsets, b.sizes, strict=True)) for b in entry.boxes
+        }
+        assert stored == {p for p in pieces if all(b > a for a, b in p)}, k
+    expected = full()
+    for out in run_ranks(load_gathered, dst, shape, specs, world_size=world):
+        for k, v in expected.items():
+            got = out["params"][k]
+            assert got.dtype == v.dtype and torch.equal(got, v), k
+        assert torch.equal(out["dense"], torch.arange(3)) and out["step"] == 3
+
+
 def save_rows(path: str) -> None:
     mesh = sx.Mesh({"dp": -1})
     sx.ckpt.save(path, {"w": sx.shard(torch.arange(8 * 4096.0).reshape(8, 4096), mesh, sx.P("dp"))})
@@ -148,3 +218,19 @@ def test_a_save_one_rank_skips_names_the_missing_rank(tmp_path):
     assert isinstance(err, sx.CheckpointError)
     assert "missing: ['rank1']" in str(err) and "call it on every rank" in str(err)
     assert not path.exists()
+
+
+def rng_round_trip(path: str) -> bool:
+    mesh = sx.Mesh({"dp": -1})
+    torch.manual_seed(100 + mesh.rank)  # each rank its own stream
+    x = sx.shard(torch.zeros(4), mesh, sx.P("dp"))
+    sx.ckpt.save(path, {"x": x})
+    expected = torch.rand(5)
+    torch.manual_seed(0)
+    sx.ckpt.load(path, {"x": x}, rng=True)
+    return torch.equal(torch.rand(5), expected)
+
+
+@pytest.mark.world_size(2)
+def test_each_rank_gets_its_own_rng_state_back(tmp_path):
+    assert run_ranks(rng_round_trip, str(tmp_path / "ckpt"), world_size=2) == [True, True]
