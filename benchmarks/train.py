@@ -11,7 +11,11 @@ once per mode:
 - ``deepspeed0`` … ``deepspeed3``: DeepSpeed's ZeRO stages on its CPU
   accelerator (``DS_ACCELERATOR=cpu``), with the same ``torch.optim.AdamW``
   as a client optimizer; skipped, with the reason, when ``import deepspeed``
-  fails;
+  fails. ``pip install 'shardax[bench]'`` pins a DeepSpeed known to work
+  here; it needs neither intel_extension_for_pytorch nor oneCCL: without
+  ``oneccl_bindings_for_pytorch`` its CPU accelerator talks gloo, over the
+  group the ranks already made. Its first run JIT-builds (g++, ninja) a
+  shared-memory op DeepSpeed uses only for inference, about 30 s, untimed;
 - ``shardax0`` … ``shardax3``: ``sx.rules.zero(stage)``, parameters
   initialised shard by shard from a ``meta`` model, ``sx.value_and_grad``
   and ``sx.optim.adamw``.

@@ -284,3 +284,52 @@ def test_index_is_human_readable(tmp_path):
     index = json.loads(Path(path / "index.json").read_text())
     assert index["format"] == "shardax-checkpoint" and index["version"] == 1
     assert index["leaves"]["a"]["boxes"][0]["sizes"] == [2, 3]
+
+
+KILLED_RANK = """
+import os, sys, torch, shardax as sx
+from shardax.ckpt import _format
+sx.init()
+mesh = sx.Mesh({"dp": -1})
+path = sys.argv[1]
+sx.ckpt.save(path, {"w": sx.shard(torch.zeros(2000), mesh, sx.P("dp"))})
+real = _format._bytes
+def dying(t):
+    data = real(t)
+    if mesh.rank == 1 and len(data) == 4000:  # rank 1's half of w: half written, then death
+        tmp = os.path.join(os.path.dirname(path), ".c.tmp", "rank-00001-of-00002.safetensors")
+        with open(tmp, "ab") as f:
+            f.write(data[:2000])
+        os._exit(7)
+    return data
+_format._bytes = dying
+sx.ckpt.save(path, {"w": sx.shard(torch.ones(2000), mesh, sx.P("dp"))})
+"""
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """Two ranks under ``shardax launch``; rank 1 dies halfway through its
+    shard of the second save: the launcher stops the job with rank 1's exit
+    code, and the first checkpoint is what loads — nothing partial is visible."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RANK)
+    path = tmp_path / "c"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardax",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    assert sorted(os.listdir(tmp_path)) == [".c.tmp", "c", "killed.py"]
+    assert torch.equal(sx.ckpt.load(path)["w"], torch.zeros(2000))
+    assert sx.ckpt.verify(path) == []
