@@ -3,7 +3,7 @@
 ``save`` (collective; atomic) and ``save_async`` write each distinct shard
 once; ``load`` reads into any mesh and layout, each rank reading only what
 overlaps its pieces; ``CheckpointManager`` numbers, prunes and resumes;
-``read_index`` gives the parsed index. Nothing is ever unpickled. The
+``read_index`` gives the parsed index. A checkpoint is never unpickled. The
 ``shardax ckpt`` command line inspects, verifies, reshards, consolidates and
 imports checkpoints.
 """

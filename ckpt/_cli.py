@@ -24,15 +24,18 @@ import click
 from ..errors import CheckpointError, MeshError, ShardingError
 from ..mesh._mesh import AbstractMesh
 from ..shard._rules import Rule, Rules
-from ._format import TensorEntry, ValueEntry, parse_dtype, read_index
+from ._format import ValueEntry, live_dir, parse_dtype, read_index
 from ._offline import (
     as_rules,
     consolidate,
+    dense_total_bytes,
     import_dense,
     reshard,
     total_bytes,
+    total_tensors,
     verify,
 )
+from ._save import check_replaceable
 
 __all__ = ["ckpt_command", "load_rules", "parse_mesh"]
 
@@ -48,7 +51,8 @@ def parse_mesh(text: str) -> AbstractMesh:
     shape: dict[str, int] = {}
     for part in text.split(","):
         name, eq, size = part.strip().partition("=")
-        if not eq or not name or not size.strip().isdigit():
+        size = size.strip()
+        if not eq or not name or not (size.isascii() and size.isdigit()):
             raise click.BadParameter(
                 f"{text!r}: write the mesh as axis=size pairs separated by commas, e.g. dp=4,tp=2"
             )
@@ -142,7 +146,7 @@ _COMMON = dict(
         type=click.IntRange(1),
         default=64,
         show_default=True,
-        help="Bytes moved per step (one tensor row at least): bounds the memory used.",
+        help="MiB read or written at a time (one tensor row at least): bounds the memory used.",
     ),
     quiet=click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
 )
@@ -180,7 +184,7 @@ def inspect_command(path: str, as_json: bool) -> None:
         index = read_index(path)
     except CheckpointError as e:
         _fail(e)
-    root = Path(path)
+    root = live_dir(path)
     on_disk = sum((root / f).stat().st_size for f in index.files() if (root / f).exists())
     leaves, values = [], {}
     for p, e in index.leaves.items():
@@ -298,7 +302,12 @@ _SPECS = click.option(
     help='JSON object of regex pattern → spec, e.g. {".*qkv\\\\.weight": ["tp", null]}.',
 )
 _DTYPE = click.option("--dtype", help="Cast floating tensors to this dtype (bf16, fp16, fp32, …).")
-_FORCE = click.option("--force", is_flag=True, help="Replace DST if it exists.")
+_FORCE = click.option(
+    "--force",
+    is_flag=True,
+    help="Replace the output if it exists (only a shardax checkpoint or a file; never "
+    "another directory).",
+)
 
 
 def _check_dtype(dtype: str | None) -> None:
@@ -309,9 +318,19 @@ def _check_dtype(dtype: str | None) -> None:
             raise click.BadParameter(str(e), param_hint="--dtype") from None
 
 
-def _check_dst(dst: str, force: bool) -> None:
-    if Path(dst).exists() and not force:
+def _check_dst(dst: str, force: bool, *, directory: bool = True) -> None:
+    path = Path(dst)
+    if not path.exists():
+        return
+    if not force:
         raise click.ClickException(f"{dst} exists; pass --force to replace it")
+    try:
+        if directory:
+            check_replaceable(path.absolute())
+        elif path.is_dir():
+            raise CheckpointError(f"{dst} is a directory; the output is one .safetensors file")
+    except CheckpointError as e:
+        _fail(e)
 
 
 @ckpt_command.command("reshard")
@@ -398,7 +417,7 @@ def consolidate_command(
       python -c "import safetensors.torch as s; print(list(s.load_file('model.safetensors')))"
     """
     _check_dtype(dtype)
-    _check_dst(out, force)
+    _check_dst(out, force, directory=False)
     try:
         index = read_index(src)
         with _bar(total_bytes(index, only, dtype), "consolidating", quiet) as progress:
@@ -412,8 +431,8 @@ def consolidate_command(
             )
     except CheckpointError as e:
         _fail(e)
-    n = len([e for e in index.leaves.values() if isinstance(e, TensorEntry)])
-    click.echo(f"wrote {path} ({_human(path.stat().st_size)}; from {n} tensors in {src})")
+    n = total_tensors(index, only)
+    click.echo(f"wrote {path} ({_human(path.stat().st_size)}; {n} tensors from {src})")
 
 
 @ckpt_command.command("import")
@@ -451,9 +470,8 @@ def import_command(
     _check_dtype(dtype)
     _check_dst(dst, force)
     target = _target_rules(rules, specs)
-    size = Path(src).stat().st_size
     try:
-        with _bar(size, "importing", quiet) as progress:
+        with _bar(dense_total_bytes(src, dtype), "importing", quiet) as progress:
             out = import_dense(
                 src,
                 dst,
@@ -462,7 +480,7 @@ def import_command(
                 prefix=prefix,
                 dtype=dtype,
                 buffer_bytes=buffer_mib * _MIB,
-                progress=lambda n: progress(min(n, size)),
+                progress=progress,
             )
     except (CheckpointError, ShardingError) as e:
         _fail(e)

@@ -58,6 +58,9 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.int16: "I16",
     torch.int8: "I8",
     torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
@@ -155,6 +158,16 @@ class TensorEntry:
     mesh: dict[str, int]
     boxes: tuple[Box, ...] = attrs.field(converter=tuple)
 
+    def __attrs_post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        for b in self.boxes:
+            if len(b.offsets) != len(self.shape) or any(
+                o + n > d for o, n, d in zip(b.offsets, b.sizes, self.shape, strict=True)
+            ):
+                raise CheckpointError(
+                    f"box {b.name!r} ({b.offsets} + {b.sizes}) does not fit in shape {self.shape}"
+                )
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
@@ -182,6 +195,20 @@ class ValueEntry:
 
 
 Entry = TensorEntry | ValueEntry
+
+
+def _entry_from_json(e: Mapping[str, Any]) -> Entry:
+    if e["kind"] == "tensor":
+        return TensorEntry(
+            e["shape"],
+            str(parse_dtype(e["dtype"])).removeprefix("torch."),
+            spec_from_json(e["spec"]),
+            {str(k): int(v) for k, v in e["mesh"].items()},
+            [Box.from_json(b) for b in e["boxes"]],
+        )
+    if e["kind"] == "value":
+        return ValueEntry(e["value"])
+    raise CheckpointError(f"unknown kind {e['kind']!r}")
 
 
 @attrs.frozen
@@ -240,27 +267,24 @@ class Index:
             )
         version = d.get("version")
         if version != VERSION:
+            hint = (
+                "upgrade shardax to read newer checkpoints"
+                if isinstance(version, int) and version > VERSION
+                else "the index is damaged or not written by shardax"
+            )
             raise CheckpointError(
                 f"{where} has format version {version!r}; this shardax reads version {VERSION} "
-                "(upgrade shardax to read newer checkpoints)"
+                f"({hint})"
             )
         try:
             leaves: dict[str, Entry] = {}
             keys: dict[str, tuple[Any, ...]] = {}
             for path, e in d["leaves"].items():
                 keys[path] = tuple(e["keys"])
-                if e["kind"] == "tensor":
-                    leaves[path] = TensorEntry(
-                        e["shape"],
-                        str(parse_dtype(e["dtype"])).removeprefix("torch."),
-                        spec_from_json(e["spec"]),
-                        {str(k): int(v) for k, v in e["mesh"].items()},
-                        [Box.from_json(b) for b in e["boxes"]],
-                    )
-                elif e["kind"] == "value":
-                    leaves[path] = ValueEntry(e["value"])
-                else:
-                    raise CheckpointError(f"{where}: leaf {path!r} has unknown kind {e['kind']!r}")
+                try:
+                    leaves[path] = _entry_from_json(e)
+                except CheckpointError as err:
+                    raise CheckpointError(f"{where}: leaf {path!r}: {err}") from None
             rng = {
                 int(r): {
                     "python": s.get("python"),
@@ -277,6 +301,19 @@ class Index:
         return cls(mesh, world, dict(d.get("metadata") or {}), leaves, keys, rng, version)
 
 
+def live_dir(path: str | os.PathLike[str]) -> Path:
+    """The directory holding the checkpoint saved at ``path``: ``path``
+    itself, or — when a crash interrupted a commit between its two renames
+    (filesystems without an atomic exchange) — the previous checkpoint,
+    still set aside as ``.NAME.old``."""
+    p = Path(path)
+    if not (p / INDEX).is_file():
+        old = p.with_name(f".{p.name}.old")
+        if (old / INDEX).is_file():
+            return old
+    return p
+
+
 def read_index(path: str | os.PathLike[str]) -> Index:
     """Parse and validate ``path/index.json`` (never executes anything).
 
@@ -286,7 +323,7 @@ def read_index(path: str | os.PathLike[str]) -> Index:
     >>> index.metadata, index.leaves["w"].shape, index.leaves["step"]
     ({'run': 1}, (2, 3), ValueEntry(value=4))
     """
-    where = Path(path) / INDEX
+    where = live_dir(path) / INDEX
     if not where.is_file():
         hint = (
             " (a save may have been interrupted before it committed)" if Path(path).is_dir() else ""
@@ -462,7 +499,13 @@ def read_header(f: BinaryIO, where: str) -> _Header:
         tensors = json.loads(f.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where} has a corrupt safetensors header: {e}") from None
+    if not isinstance(tensors, dict):
+        raise CheckpointError(f"{where} has a corrupt safetensors header: not a JSON object")
     tensors.pop("__metadata__", None)
+    for name, meta in tensors.items():
+        ok = isinstance(meta, dict) and {"dtype", "shape", "data_offsets"} <= set(meta)
+        if not ok or len(meta["data_offsets"]) != 2:
+            raise CheckpointError(f"{where} has a corrupt safetensors header entry {name!r}")
     return _Header(8 + n, tensors)
 
 
@@ -476,11 +519,19 @@ class Files:
     def get(self, name: str) -> tuple[BinaryIO, _Header]:
         if name not in self._open:
             path = self.root / safe_name(name)
+            if path.is_symlink() and not path.resolve().is_relative_to(self.root.resolve()):
+                raise CheckpointError(
+                    f"{path} is a link to {path.resolve()}, outside the checkpoint; copy the file in"
+                )
             try:
                 f = open(path, "rb")  # noqa: SIM115 - closed in close()
             except OSError as e:
                 raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
-            header = read_header(f, str(path))
+            try:
+                header = read_header(f, str(path))
+            except CheckpointError:
+                f.close()
+                raise
             end = max((int(m["data_offsets"][1]) for m in header.tensors.values()), default=0)
             size = os.fstat(f.fileno()).st_size
             if size < header.start + end:
@@ -530,9 +581,9 @@ def _read_span(f: BinaryIO, offset: int, into: memoryview, where: str) -> None:
         raise CheckpointError(f"{where} is truncated: read {got} of {len(into)} bytes")
 
 
-def _verify(box: Box, lo: int, pieces: Sequence[memoryview], where: str) -> None:
-    """Check the chunks of ``box`` that ``pieces`` (its bytes from ``lo``, a
-    chunk boundary, to a chunk boundary or the end) cover."""
+def _verify(box: Box, nbytes: int, lo: int, pieces: Sequence[memoryview], where: str) -> None:
+    """Check the chunks of ``box`` (``nbytes`` long) that ``pieces`` (its
+    bytes from ``lo``, a chunk boundary, to a chunk boundary or the end) cover."""
     first = lo // CHUNK
     crc = Crc()
     for piece in pieces:
@@ -541,8 +592,9 @@ def _verify(box: Box, lo: int, pieces: Sequence[memoryview], where: str) -> None
         c = first + i
         if c >= len(box.crc32) or box.crc32[c] != s:
             raise CheckpointError(
-                f"checksum mismatch in {where} (bytes {c * CHUNK}–{(c + 1) * CHUNK} of the "
-                "tensor): the file is corrupt; restore it from a copy or use an older checkpoint"
+                f"checksum mismatch in {where} (bytes {c * CHUNK}–{min((c + 1) * CHUNK, nbytes)} "
+                "of the tensor): the file is corrupt; restore it from a copy or use an older "
+                "checkpoint"
             )
 
 
@@ -579,6 +631,10 @@ def row_blocks(
         yield (offsets[0] + r, *offsets[1:]), (n, *sizes[1:])
 
 
+COALESCE = 512
+"""Unneeded bytes between two rows' spans always worth reading to save a read."""
+
+
 def read_region(
     files: Files,
     box: Box,
@@ -591,39 +647,77 @@ def read_region(
     limit: int = 64 << 20,
 ) -> None:
     """Copy the global region ``offsets``/``sizes`` (inside ``box``) into
-    ``out`` (a tensor of shape ``sizes``, any dtype and device), reading the
-    byte span of at most ``limit`` bytes at a time and, with ``verify``,
-    checking the checksums of the chunks read."""
+    ``out`` (a tensor of shape ``sizes``, any dtype and device).
+
+    The region is read in blocks of whole dim-0 rows of at most ``limit``
+    bytes (one row at least). In each row only the span from the region's
+    first to its last byte is needed; rows whose spans lie far apart (a few
+    columns of a row-major box) are read separately, so without ``verify``
+    a rank reads at most about twice what it needs, never the whole box for
+    a slice of it. With ``verify``, the checksum chunks (``CHUNK`` bytes) the
+    spans touch are read whole and checked.
+    """
     f, base = _locate(files, box, dtype)
     where = f"{box.file}:{box.name}"
     item = dtype.itemsize
+    nbytes = box.numel * item
     strides = _strides(box.sizes)
     rel = [o - b for o, b in zip(offsets, box.offsets, strict=True)]
-    row = (strides[0] if strides else 1) * item
-    whole_rows = list(sizes[1:]) == list(box.sizes[1:])
+    if not sizes:  # a 0-d tensor: one element
+        _read_into(f, base, box, nbytes, 0, item, (), (), out, dtype, verify, where)
+        return
+    row = strides[0] * item
+    inner = list(zip(rel[1:], sizes[1:], strides[1:], strict=True))
+    head = sum(o * s for o, _, s in inner) * item  # the region's first byte within a row
+    tail = sum((o + n - 1) * s for o, n, s in inner) * item + item  # and its end
+    gap = row - (tail - head)  # unneeded bytes between two rows' spans
+    # Read rows together when the gaps cost at most what is needed (without
+    # verify), or when they share checksum chunks anyway (with it).
+    far = CHUNK if verify else max(COALESCE, tail - head)
     for blk_off, blk_size in row_blocks(rel, sizes, row, limit):
-        if math.prod(blk_size) == 0:
+        rows = blk_size[0]
+        if rows == 0 or math.prod(blk_size) == 0:
             continue
-        first = sum(o * s for o, s in zip(blk_off, strides, strict=True)) * item
-        last = (
-            sum((o + n - 1) * s for o, n, s in zip(blk_off, blk_size, strides, strict=True)) * item
-            + item
-        )
-        dst = out.narrow(0, blk_off[0] - rel[0], blk_size[0]) if sizes else out
-        direct = (
-            whole_rows and dst.is_contiguous() and dst.dtype == dtype and dst.device.type == "cpu"
-        )
-        if direct:
-            body = _bytes(dst)
-        else:
-            tmp = torch.empty(last - first, dtype=torch.uint8)
-            body = _bytes(tmp)
-        _read_span(f, base + first, body, where)
-        if verify:
-            lo, hi = first // CHUNK * CHUNK, min(-(-last // CHUNK) * CHUNK, box.numel * item)
-            head, tail = bytearray(first - lo), bytearray(hi - last)
-            _read_span(f, base + lo, memoryview(head), where)
-            _read_span(f, base + last, memoryview(tail), where)
-            _verify(box, lo, [memoryview(head), body, memoryview(tail)], where)
-        if not direct:
-            dst.copy_(tmp.view(dtype).as_strided(blk_size, strides, 0))
+        step = rows if gap <= far else 1  # rows read together
+        for g in range(0, rows, step):
+            n = min(step, rows - g)
+            r0 = blk_off[0] + g
+            first, last = r0 * row + head, (r0 + n - 1) * row + tail
+            dst = out.narrow(0, r0 - rel[0], n)
+            shape = (n, *sizes[1:])
+            _read_into(f, base, box, nbytes, first, last, shape, strides, dst, dtype, verify, where)
+
+
+def _read_into(
+    f: BinaryIO,
+    base: int,
+    box: Box,
+    nbytes: int,
+    first: int,
+    last: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dst: torch.Tensor,
+    dtype: torch.dtype,
+    verify: bool,
+    where: str,
+) -> None:
+    """Read bytes ``[first, last)`` of ``box`` and copy the elements at
+    ``strides`` from ``first`` (``shape`` of them) into ``dst``."""
+    contiguous = last - first == math.prod(shape) * dtype.itemsize
+    direct = contiguous and dst.is_contiguous() and dst.dtype == dtype and dst.device.type == "cpu"
+    if direct:
+        body = _bytes(dst)
+        tmp = None
+    else:
+        tmp = torch.empty(last - first, dtype=torch.uint8)
+        body = _bytes(tmp)
+    _read_span(f, base + first, body, where)
+    if verify:
+        lo, hi = first // CHUNK * CHUNK, min(-(-last // CHUNK) * CHUNK, nbytes)
+        before, after = bytearray(first - lo), bytearray(hi - last)
+        _read_span(f, base + lo, memoryview(before), where)
+        _read_span(f, base + last, memoryview(after), where)
+        _verify(box, nbytes, lo, [memoryview(before), body, memoryview(after)], where)
+    if tmp is not None:
+        dst.copy_(tmp.view(dtype).as_strided(shape, strides, 0))

@@ -14,7 +14,7 @@ import optree
 import torch
 
 from .._tree import render_path
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ShardingError
 from ..mesh._mesh import AbstractMesh, Mesh
 from ..shard._layout import Layout
 from ..shard._rules import Rule, Rules, fit_spec
@@ -27,6 +27,7 @@ from ._format import (
     TensorEntry,
     ValueEntry,
     intersect,
+    live_dir,
     parse_dtype,
     read_index,
     read_region,
@@ -46,9 +47,11 @@ def fill(
     out: torch.Tensor,
     *,
     verify: bool = True,
+    limit: int = 64 << 20,
 ) -> None:
     """Fill ``out`` with the global region of ``entry`` starting at
-    ``offsets`` (``out.shape`` long), from every stored box it overlaps."""
+    ``offsets`` (``out.shape`` long), from every stored box it overlaps,
+    reading at most ``limit`` bytes at a time (one row at least)."""
     sizes = tuple(out.shape)
     dtype = entry.torch_dtype
     covered = 0
@@ -60,7 +63,7 @@ def fill(
         dst = out
         for d, (a, k) in enumerate(zip(lo, n, strict=True)):
             dst = dst.narrow(d, a - offsets[d], k)
-        read_region(files, box, dtype, lo, n, dst, verify=verify)
+        read_region(files, box, dtype, lo, n, dst, verify=verify, limit=limit)
         covered += math.prod(n)
     if covered != math.prod(sizes):
         raise CheckpointError(
@@ -108,29 +111,36 @@ class _Load:
             return self.dtype
         return wanted if wanted is not None else saved
 
-    def leaf(self, path: str, target: Any, mesh: AbstractMesh | None) -> Any:
+    def check(self, path: str, target: Any, mesh: AbstractMesh | None) -> None:
+        """Record what makes ``target`` unable to take the saved leaf (no I/O)."""
         entry = self.index.leaves[path]
         if isinstance(entry, ValueEntry):
             if isinstance(target, (torch.Tensor, Sharded, *_LAYOUTS)):
                 self.problems.append(
                     f"{path!r}: the checkpoint holds a value ({entry.value!r}), the target a tensor"
                 )
-                return target
-            return entry.value
+            return
         shape = _shape_of(target) if not isinstance(target, _LAYOUTS) else None
         if shape is not None and shape != entry.shape:
             self.problems.append(
                 f"{path!r}: shape {entry.shape} in the checkpoint, {shape} in the target"
             )
-            return target
-        if target is not None and shape is None and not isinstance(target, _LAYOUTS):
+        elif target is not None and shape is None and not isinstance(target, _LAYOUTS):
             self.problems.append(
                 f"{path!r}: the checkpoint holds a {entry.dtype} {entry.shape} tensor, the target "
                 f"a {type(target).__name__}"
             )
-            return target
-        if self.problems:
-            return target  # report every problem before reading anything
+        else:
+            try:
+                _target_layout(path, target, entry.shape, mesh)
+            except (CheckpointError, ShardingError) as e:
+                self.problems.append(str(e))
+
+    def leaf(self, path: str, target: Any, mesh: AbstractMesh | None) -> Any:
+        """The saved leaf read into ``target``'s layout (checked already)."""
+        entry = self.index.leaves[path]
+        if isinstance(entry, ValueEntry):
+            return entry.value
         wanted = getattr(target, "dtype", None)
         dtype = self.cast(entry.torch_dtype, wanted if isinstance(wanted, torch.dtype) else None)
         device = self.device or getattr(target, "device", None) or torch.device("cpu")
@@ -227,7 +237,10 @@ def restore_rng(root: Path, index: Index, rank: int, *, verify: bool = True) -> 
 
         tensors = states["tensors"]
         torch.set_rng_state(read(tensors["__rng__.torch"]))
-        cuda = [read(b) for n, b in sorted(tensors.items()) if n.startswith("__rng__.cuda.")]
+        cuda_names = [n for n in tensors if n.startswith("__rng__.cuda.")]
+        cuda = [
+            read(tensors[n]) for n in sorted(cuda_names, key=lambda n: int(n.rsplit(".", 1)[1]))
+        ]
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
     if states.get("python") is not None:
@@ -288,34 +301,49 @@ def load(
       not in the target: 'w'
     """
     wait_pending()
-    root = Path(path)
+    root = live_dir(path)
     index = read_index(root)
     cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     job = _Load(root, index, cast, device, verify)
     try:
+        reads: dict[str, Any] = {}  # saved path -> what to read it into
         if isinstance(target, (Rule, Rules)):
             rules = target if isinstance(target, Rules) else Rules(target)
             if mesh is None:
                 raise CheckpointError("loading by rules needs load(..., mesh=)")
-            values = {}
             for p, e in index.leaves.items():
+                spec = None
                 if isinstance(e, TensorEntry):
                     spec = spec_by_rules(rules, index.keys[p], e.shape, mesh)
-                    values[p] = job.leaf(p, Layout(mesh, spec), mesh)
-                else:
-                    values[p] = job.leaf(p, None, mesh)
-            return _nest(index, values)
-        if target is None:
-            return _nest(index, {p: job.leaf(p, None, mesh) for p in index.leaves})
-        paths, _, leaves = flatten(target)
-        missing = [p for p in paths if p not in index.leaves]
-        unexpected = [p for p in index.leaves if p not in set(paths)]
-        if strict:
-            job.problems += [f"missing from the checkpoint: {p!r}" for p in missing]
-            job.problems += [f"not in the target: {p!r}" for p in unexpected]
-        out = [
-            x if p in missing else job.leaf(p, x, mesh) for p, x in zip(paths, leaves, strict=True)
-        ]
+                reads[p] = Layout(mesh, spec) if spec is not None else None
+
+            def assemble(values: dict[str, Any]) -> Any:
+                return _nest(index, values)
+
+        elif target is None:
+            reads = dict.fromkeys(index.leaves)
+
+            def assemble(values: dict[str, Any]) -> Any:
+                return _nest(index, values)
+
+        else:
+            paths, _, leaves = flatten(target)
+            missing = [p for p in paths if p not in index.leaves]
+            unexpected = [p for p in index.leaves if p not in set(paths)]
+            if strict:
+                job.problems += [f"missing from the checkpoint: {p!r}" for p in missing]
+                job.problems += [f"not in the target: {p!r}" for p in unexpected]
+            reads = {p: x for p, x in zip(paths, leaves, strict=True) if p in index.leaves}
+            for p, x in reads.items():
+                job.check(p, x, mesh)
+            _, treespec = optree.tree_flatten(
+                target, is_leaf=lambda x: isinstance(x, Sharded), none_is_leaf=True
+            )
+
+            def assemble(values: dict[str, Any]) -> Any:
+                out = [values.get(p, x) for p, x in zip(paths, leaves, strict=True)]
+                return optree.tree_unflatten(treespec, out)
+
         _report(job.problems, f"checkpoint {root} does not match the target")
         if rng:
             rank, world = _world()
@@ -324,10 +352,9 @@ def load(
                     f"rng=True restores each rank's RNG, but {root} was saved by "
                     f"{index.world_size} ranks and this job has {world}; load with rng=False"
                 )
+        loaded = assemble({p: job.leaf(p, x, mesh) for p, x in reads.items()})
+        if rng:
             restore_rng(root, index, rank, verify=verify)
-        _, spec = optree.tree_flatten(
-            target, is_leaf=lambda x: isinstance(x, Sharded), none_is_leaf=True
-        )
-        return optree.tree_unflatten(spec, out)
+        return loaded
     finally:
         job.files.close()

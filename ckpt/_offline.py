@@ -35,6 +35,7 @@ from ._format import (
     TensorEntry,
     ValueEntry,
     dtype_name,
+    live_dir,
     parse_dtype,
     read_header,
     read_index,
@@ -43,9 +44,27 @@ from ._format import (
     write_index,
 )
 from ._load import fill, spec_by_rules
-from ._save import _commit, _file, _fsync_dir, _prepare, box_name, distinct_boxes, flatten
+from ._save import (
+    RNG_PREFIX,
+    _commit,
+    _file,
+    _fsync_dir,
+    _prepare,
+    box_name,
+    distinct_boxes,
+    flatten,
+)
 
-__all__ = ["as_rules", "consolidate", "import_dense", "reshard", "total_bytes", "verify"]
+__all__ = [
+    "as_rules",
+    "consolidate",
+    "dense_total_bytes",
+    "import_dense",
+    "reshard",
+    "total_bytes",
+    "total_tensors",
+    "verify",
+]
 
 BUFFER = 64 << 20
 Progress = Callable[[int], None]
@@ -98,11 +117,11 @@ class _Source:
     close: Callable[[], None]
 
 
-def _checkpoint_source(src: Path, files: Files, index: Index) -> _Source:
+def _checkpoint_source(files: Files, index: Index, limit: int) -> _Source:
     return _Source(
         dict(index.leaves),
         dict(index.keys),
-        lambda path, offsets, out: fill(files, path, index.leaves[path], offsets, out),
+        lambda path, offsets, out: fill(files, path, index.leaves[path], offsets, out, limit=limit),
         dict(index.metadata),
         files.close,
     )
@@ -131,14 +150,21 @@ def verify(
     >>> with open(path / "rank-00000-of-00001.safetensors", "r+b") as f:
     ...     _ = f.seek(-1, os.SEEK_END); _ = f.write(b"?")   # the last byte of w
     >>> sx.ckpt.verify(path)
-    ['checksum mismatch in rank-00000-of-00001.safetensors:w@0 (bytes 0–1048576 of the tensor): ...']
+    ['checksum mismatch in rank-00000-of-00001.safetensors:w@0 (bytes 0–16 of the tensor): ...']
     """
-    root = Path(path)
+    root = live_dir(path)
     index = read_index(root)
     progress = progress or _noop
     boxes = [(b, e.torch_dtype) for e in index.tensors().values() for b in e.boxes]
     boxes += [(b, torch.uint8) for s in index.rng.values() for b in s["tensors"].values()]
     problems = []
+    for leaf, e in index.tensors().items():  # the boxes must tile the tensor
+        covered = sum(b.numel for b in e.boxes)
+        if covered != math.prod(e.shape):
+            problems.append(
+                f"{leaf!r}: its boxes hold {covered} of the {math.prod(e.shape)} elements of "
+                f"shape {e.shape}; the index is inconsistent"
+            )
     with Files(root) as files:
         for box, dtype in boxes:
             try:
@@ -195,7 +221,8 @@ def _write_sharded(
     leaves, owned = _target(source, rules, mesh, dtype)
     world = mesh.world_size
     tmp = _prepare(dst)
-    sums: dict[str, tuple[int, ...]] = {}
+    sums: dict[str, tuple[int, ...]] = {}  # box names are unique
+    rng_sums: dict[int, dict[str, tuple[int, ...]]] = {}  # RNG names repeat per rank
     for rank in range(world):
         boxes = owned.get(rank, [])
         rng_boxes = list(rng.get(rank, {}).get("tensors", {}).values())
@@ -219,7 +246,9 @@ def _write_sharded(
             out = torch.empty(b.sizes, dtype=torch.uint8)
             read_region(rng_files, b, torch.uint8, b.offsets, b.sizes, out)
             writer.write(b.name, out)
-        sums.update(writer.close())
+        written = writer.close()
+        sums.update({n: c for n, c in written.items() if not n.startswith(RNG_PREFIX)})
+        rng_sums[rank] = {n: c for n, c in written.items() if n.startswith(RNG_PREFIX)}
     leaves = {
         p: attrs.evolve(e, boxes=[attrs.evolve(b, crc32=sums[b.name]) for b in e.boxes])
         if isinstance(e, TensorEntry)
@@ -230,7 +259,7 @@ def _write_sharded(
         r: {
             "python": s.get("python"),
             "tensors": {
-                n: attrs.evolve(b, file=_file(r, world), crc32=sums[b.name])
+                n: attrs.evolve(b, file=_file(r, world), crc32=rng_sums[r][b.name])
                 for n, b in s["tensors"].items()
             },
         }
@@ -272,7 +301,7 @@ def reshard(
     >>> [b.sizes for b in sx.ckpt.read_index(d + "/b").leaves["w"].boxes]
     [(2, 2), (2, 2)]
     """
-    src_p, dst_p = Path(src), Path(dst).absolute()
+    src_p, dst_p = live_dir(src), Path(dst).absolute()
     mesh = mesh if isinstance(mesh, AbstractMesh) else AbstractMesh(dict(mesh))
     if dst_p.exists() and _same_dir(src_p, dst_p):
         raise CheckpointError(f"reshard writes a new checkpoint: {dst} is the source itself")
@@ -282,7 +311,7 @@ def reshard(
     try:
         rng = index.rng if index.world_size == mesh.world_size else {}
         return _write_sharded(
-            _checkpoint_source(src_p, files, index),
+            _checkpoint_source(files, index, buffer_bytes),
             dst_p,
             as_rules(rules),
             mesh,
@@ -345,7 +374,11 @@ def consolidate(
     {'fc.weight': tensor([[1., 1.],
             [1., 1.]], dtype=torch.bfloat16)}
     """
-    root, target = Path(src), Path(out).absolute()
+    root, target = live_dir(src), Path(out).absolute()
+    if target.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(f"{out} is inside the checkpoint {src}; write it elsewhere")
+    if target.is_dir():
+        raise CheckpointError(f"{out} is a directory; consolidate writes one .safetensors file")
     index = read_index(root)
     names = _selected(index, only)
     cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -376,7 +409,7 @@ def consolidate(
                 for off, size in _blocks(start, shape, item, buffer_bytes):
                     block = torch.empty(size, dtype=entry.torch_dtype)
                     if block.numel():
-                        fill(files, path, entry, off, block)
+                        fill(files, path, entry, off, block, limit=buffer_bytes)
                     writer.write(name, block.to(want))
                     progress(block.numel() * want.itemsize)
         writer.close()
@@ -496,6 +529,17 @@ def import_dense(
         source.close()
 
 
+def _written_bytes(entries: Mapping[str, Any], cast: torch.dtype | None) -> int:
+    total = 0
+    for e in entries.values():
+        if isinstance(e, TensorEntry):
+            item = e.torch_dtype.itemsize
+            if cast is not None and e.torch_dtype.is_floating_point:
+                item = cast.itemsize
+            total += math.prod(e.shape) * item
+    return total
+
+
 def total_bytes(
     index: Index, only: str | None = None, dtype: torch.dtype | str | None = None
 ) -> int:
@@ -503,12 +547,20 @@ def total_bytes(
     bars): those under ``only``, floating ones cast to ``dtype``."""
     cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     paths = _selected(index, only) if only else index.leaves
-    total = 0
-    for p in paths:
-        e = index.leaves[p]
-        if isinstance(e, TensorEntry):
-            item = e.torch_dtype.itemsize
-            if cast is not None and e.torch_dtype.is_floating_point:
-                item = cast.itemsize
-            total += math.prod(e.shape) * item
-    return total
+    return _written_bytes({p: index.leaves[p] for p in paths}, cast)
+
+
+def total_tensors(index: Index, only: str | None = None) -> int:
+    """How many tensors ``consolidate(..., only=only)`` writes."""
+    paths = _selected(index, only) if only else index.leaves
+    return sum(isinstance(index.leaves[p], TensorEntry) for p in paths)
+
+
+def dense_total_bytes(src: str | os.PathLike[str], dtype: torch.dtype | str | None = None) -> int:
+    """The bytes ``import_dense`` writes for the dense file ``src``."""
+    cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    source = _dense_source(Path(src), None)
+    try:
+        return _written_bytes(source.entries, cast)
+    finally:
+        source.close()

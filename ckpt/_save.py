@@ -9,12 +9,16 @@ missing ranks named instead of hanging.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import ctypes.util
 import itertools
 import json
 import math
 import os
 import random
 import shutil
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -35,6 +39,7 @@ from ..shard._layout import Layout
 from ..shard._sharded import Sharded
 from ..shard._spec import P
 from ._format import (
+    FORMAT,
     INDEX,
     Box,
     Index,
@@ -50,6 +55,8 @@ __all__ = ["AsyncSave", "save", "save_async"]
 # save() is collective and called in the same order on every rank, so each
 # rank numbers its saves alike; the number keys that save in the store.
 _SEQ = itertools.count()
+RNG_PREFIX = "__rng__."
+"""Tensor names of the RNG states (reserved: no leaf's path may start so)."""
 _LOCK = threading.Lock()
 _IN_FLIGHT: list[AsyncSave] = []  # at most one background save per process
 
@@ -141,9 +148,10 @@ class _Plan:
 
 
 def _rng_items(rank: int) -> tuple[list[tuple[str, torch.Tensor]], Any]:
-    items = [("__rng__.torch", torch.get_rng_state())]
+    items = [(f"{RNG_PREFIX}torch", torch.get_rng_state())]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        items += [(f"__rng__.cuda.{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+        cuda = torch.cuda.get_rng_state_all()
+        items += [(f"{RNG_PREFIX}cuda.{i}", s) for i, s in enumerate(cuda)]
     version, state, gauss = random.getstate()
     return items, [version, list(state), gauss]
 
@@ -167,6 +175,11 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
     mesh: dict[str, int] = {}
     timeout = None
     for path, x in zip(paths, leaves, strict=True):
+        if path.startswith(RNG_PREFIX.rstrip(".")):
+            raise CheckpointError(
+                f"{path!r}: key paths starting with {RNG_PREFIX.rstrip('.')!r} are reserved for "
+                "the RNG states; rename the key"
+            )
         if isinstance(x, Sharded):
             boxes = _sharded_boxes(path, x, world)
             layout_mesh, spec, local = x.mesh.shape, x.spec, x.local
@@ -189,8 +202,12 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             if owner == rank:
                 t = local.detach()
                 items.append((name, t.to("cpu", copy=True) if copy else t))
+        try:
+            dtype = dtype_name(local.dtype)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path!r}: {e}") from None
         entries[path] = TensorEntry(
-            x.shape, dtype_name(local.dtype), spec if spec is not None else P(), layout_mesh, stored
+            x.shape, dtype, spec if spec is not None else P(), layout_mesh, stored
         )
     python_rng = None
     if rng:
@@ -230,6 +247,16 @@ class _Store:
             ) from None
         return [self.store.get(f).decode() for f in full]
 
+    def clear(self) -> None:
+        """Delete this save's keys (rank 0, once every rank is past them)."""
+        if self.store is None:
+            return
+        for key in ["ready", "done", *(f"rank{r}" for r in range(self.world))]:
+            try:
+                self.store.delete_key(self.prefix + key)
+            except Exception:  # a store without deletion keeps them: harmless
+                return
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -239,26 +266,83 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prepare(final: Path) -> Path:
-    if final.exists() and not (final / INDEX).exists() and any(final.iterdir()):
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a directory holding a shardax ``index.json``."""
+    try:
+        with open(path / INDEX) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_replaceable(final: Path) -> None:
+    """Refuse to write a checkpoint where something else lives."""
+    if final.exists() and not final.is_dir():
         raise CheckpointError(
-            f"refusing to replace {final}: it exists and is not a shardax checkpoint (no {INDEX})"
+            f"{final} is a file; a checkpoint is a directory — choose another path"
         )
+    if final.is_dir() and any(final.iterdir()) and not is_checkpoint(final):
+        raise CheckpointError(
+            f"refusing to replace {final}: it exists and is not a shardax checkpoint (no shardax "
+            f"{INDEX}); remove it or choose another path"
+        )
+
+
+def _recover(final: Path) -> None:
+    """Finish a commit a crash interrupted between its two renames: the
+    previous checkpoint, set aside as ``.NAME.old``, goes back in place."""
+    old = final.with_name(f".{final.name}.old")
+    if not final.exists() and is_checkpoint(old):
+        os.rename(old, final)
+
+
+def _prepare(final: Path) -> Path:
+    _recover(final)
+    check_replaceable(final)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the OS or filesystem cannot."""
+    if _RENAMEAT2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = _RENAMEAT2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0
+
+
 def _commit(tmp: Path, final: Path) -> None:
-    """Swap ``tmp`` into place: a reader sees the old checkpoint or the new one."""
+    """Swap ``tmp`` into place: a reader sees the old checkpoint or the new
+    one, whenever it looks — also if this process dies here."""
     old = final.with_name(f".{final.name}.old")
     shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
+    if final.exists() and _exchange(tmp, final):
+        _fsync_dir(final.parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint
+        return
+    if final.exists():  # two renames; a crash between them is undone by _recover
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _renameat2() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _renameat2() if sys.platform.startswith("linux") else None
 
 
 def _assemble(index: Index, reports: list[dict[str, Any]]) -> Index:
@@ -282,8 +366,17 @@ def _assemble(index: Index, reports: list[dict[str, Any]]) -> Index:
     return attrs.evolve(index, leaves=leaves, rng=rng)
 
 
+def _failed(final: Path, e: BaseException) -> CheckpointError:
+    if isinstance(e, CheckpointError):
+        return e
+    return CheckpointError(f"checkpoint save to {final} failed: {type(e).__name__}: {e}")
+
+
 def _write(p: _Plan, final: Path, seq: int, on_commit: Callable[[], None] | None) -> None:
-    """Every rank's part of a save (runs inline or in the background thread)."""
+    """Every rank's part of a save (runs inline or in the background thread).
+
+    Whatever fails, rank 0 still publishes the outcome, so no rank waits out
+    the timeout for a save that has already failed elsewhere."""
     store = _Store(seq, p.world, p.timeout)
     tmp = final.with_name(f".{final.name}.tmp")
     if p.rank == 0:
@@ -291,20 +384,24 @@ def _write(p: _Plan, final: Path, seq: int, on_commit: Callable[[], None] | None
             _prepare(final)
         except Exception as e:
             store.set("ready", f"error: {e}")
-            raise
+            raise _failed(final, e) from e
         store.set("ready", "ok")
     else:
         (ready,) = store.get(["ready"], "rank 0's start")
         if ready != "ok":
             raise CheckpointError(f"checkpoint save to {final} failed on rank 0: {ready[7:]}")
+    mine = _file(p.rank, p.world)
     try:
-        sums = write_safetensors(tmp / _file(p.rank, p.world), p.items) if p.items else {}
-        rng = {n: list(t.shape) for n, t in p.items if n.startswith("__rng__.")}
-        report = {"sums": sums, "rng": rng, "python": p.python_rng}
+        sums = write_safetensors(tmp / mine, p.items) if p.items else {}
+        rng = {n: list(t.shape) for n, t in p.items if n.startswith(RNG_PREFIX)}
+        report: dict[str, Any] = {"sums": sums, "rng": rng, "python": p.python_rng}
     except Exception as e:
-        store.set(f"rank{p.rank}", json.dumps({"error": f"rank {p.rank}: {e}"}))
-        raise
-    store.set(f"rank{p.rank}", json.dumps(report))
+        report = {"error": f"rank {p.rank} could not write {mine}: {type(e).__name__}: {e}"}
+        store.set(f"rank{p.rank}", json.dumps(report))
+        if p.rank != 0:
+            raise _failed(final, e) from e
+    else:
+        store.set(f"rank{p.rank}", json.dumps(report))
     if p.rank == 0:
         try:
             raw = store.get([f"rank{r}" for r in range(p.world)], "the shards of every rank")
@@ -319,8 +416,10 @@ def _write(p: _Plan, final: Path, seq: int, on_commit: Callable[[], None] | None
                 on_commit()
         except Exception as e:
             store.set("done", f"error: {e}")
-            raise
+            raise _failed(final, e) from e
         store.set("done", "ok")
+        # every rank has started this save, so all have read the last one's keys
+        _Store(seq - 1, p.world, p.timeout).clear()
     else:
         (done,) = store.get(["done"], "rank 0's commit")
         if done != "ok":
@@ -361,6 +460,17 @@ class AsyncSave:
 
     def __repr__(self) -> str:
         return f"AsyncSave({str(self.path)!r}, done={self.done()})"
+
+
+def _finish_at_exit() -> None:
+    """A background save still running at exit is waited for, not lost."""
+    try:
+        wait_pending()
+    except CheckpointError as e:
+        print(f"shardax: {e}", file=sys.stderr)
+
+
+atexit.register(_finish_at_exit)
 
 
 def wait_pending() -> None:

@@ -13,7 +13,7 @@ from _dist import RankFailed, run_ranks
 from click.testing import CliRunner
 
 import shardax as sx
-from shardax.ckpt import _format
+from shardax.ckpt import _format, _save
 from shardax.cli import main
 
 SPECS_2X2 = {
@@ -234,3 +234,54 @@ def rng_round_trip(path: str) -> bool:
 @pytest.mark.world_size(2)
 def test_each_rank_gets_its_own_rng_state_back(tmp_path):
     assert run_ranks(rng_round_trip, str(tmp_path / "ckpt"), world_size=2) == [True, True]
+
+
+def rng_after_offline_reshard(src: str, dst: str) -> bool:
+    """Per-rank RNG states survive ``reshard`` to another mesh of as many ranks."""
+    mesh = sx.Mesh({"dp": -1})
+    torch.manual_seed(200 + mesh.rank)
+    x = sx.shard(torch.arange(6.0), mesh, sx.P("dp"))
+    sx.ckpt.save(src, {"x": x})
+    expected = torch.rand(5)
+    if mesh.rank == 0:
+        sx.ckpt.reshard(src, dst, {"x": [None]}, mesh={"tp": 2})
+        assert sx.ckpt.verify(dst) == []
+    sx.collectives.barrier(mesh=mesh)
+    torch.manual_seed(0)
+    back = sx.ckpt.load(dst, {"x": sx.P()}, mesh=sx.Mesh({"tp": 2}), rng=True)
+    return torch.equal(torch.rand(5), expected) and torch.equal(back["x"].local, torch.arange(6.0))
+
+
+@pytest.mark.world_size(2)
+def test_offline_reshard_keeps_each_ranks_rng_state(tmp_path):
+    src, dst = str(tmp_path / "a"), str(tmp_path / "b")
+    assert run_ranks(rng_after_offline_reshard, src, dst, world_size=2) == [True, True]
+
+
+def rank0_cannot_write(path: str) -> str:
+    mesh = sx.Mesh({"dp": -1}, timeout=60)
+    x = sx.shard(torch.zeros(4), mesh, sx.P("dp"))
+    real = _save.write_safetensors
+
+    def full_disk(where, items):
+        raise OSError(28, "No space left on device")
+
+    if mesh.rank == 0:
+        _save.write_safetensors = full_disk
+    try:
+        sx.ckpt.save(path, {"x": x})
+    except sx.CheckpointError as e:
+        return str(e)
+    finally:
+        _save.write_safetensors = real
+    return "saved"
+
+
+@pytest.mark.world_size(2)
+def test_a_rank0_write_failure_reaches_every_rank_at_once(tmp_path):
+    """Rank 0 still publishes the outcome, so rank 1 gets rank 0's error
+    instead of waiting out the timeout (and blaming itself)."""
+    for text in run_ranks(rank0_cannot_write, str(tmp_path / "c"), world_size=2):
+        assert "rank 0 could not write rank-00000-of-00002.safetensors" in text, text
+        assert "No space left on device" in text and "did not arrive" not in text
+    assert not (tmp_path / "c").exists()
