@@ -30,9 +30,11 @@ from .mesh import Mesh as Mesh
 from .mesh import init as init
 from .mesh import shutdown as shutdown
 from .shard import Layout as Layout
+from .shard import ModuleRule as ModuleRule
 from .shard import NamedSharding as NamedSharding
 from .shard import P as P
 from .shard import PartitionSpec as PartitionSpec
+from .shard import Relayout as Relayout
 from .shard import Rule as Rule
 from .shard import Rules as Rules
 from .shard import Sharded as Sharded
@@ -46,6 +48,8 @@ from .shard import reshard as reshard
 from .shard import shard as shard
 from .shard import transfer as transfer
 from .shard import value_and_grad as value_and_grad
+from .shard import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from .shard import vocab_parallel_embedding as vocab_parallel_embedding
 
 __version__ = "0.1.0.dev0"
 
@@ -58,9 +62,11 @@ __all__ = [
     "LaunchError",
     "Mesh",
     "MeshError",
+    "ModuleRule",
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "Relayout",
     "Rule",
     "Rules",
     "ShardingError",
@@ -82,4 +88,6 @@ __all__ = [
     "shutdown",
     "transfer",
     "value_and_grad",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
 ]

@@ -15,12 +15,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import attrs
+
 from .errors import ShardingError
+from .shard._modules import ModuleRule as ModuleRule
+from .shard._modules import Relayout as Relayout
 from .shard._placement import ShardOver as ShardOver
 from .shard._rules import Rule as Rule
 from .shard._rules import Rules as Rules
+from .shard._spec import P
+from .shard._tensor_parallel import vocab_parallel_embedding
 
-__all__ = ["Rule", "Rules", "ShardOver", "zero"]
+__all__ = [
+    "GPT_NAMES",
+    "ModuleRule",
+    "Relayout",
+    "Rule",
+    "Rules",
+    "ShardOver",
+    "TransformerNames",
+    "megatron",
+    "zero",
+]
 
 _STAGES = {
     0: (),
@@ -49,3 +65,87 @@ def zero(stage: int, axis: str | Iterable[str] = "dp") -> Rules:
         raise ShardingError(f"ZeRO stage is 0, 1, 2 or 3; got {stage!r}")
     roles = _STAGES[stage]
     return Rules(ShardOver(axis, roles=roles)) if roles else Rules()
+
+
+def _regex(name: str, value: str | None) -> str | None:
+    if value is not None:
+        Rule(value, P())  # validates the regex
+    return value
+
+
+@attrs.frozen
+class TransformerNames:
+    """Where a transformer's tensor-parallel roles live, as regexes over
+    module paths: ``column`` — linears whose output features split over
+    ``tp`` (attention q/k/v or a fused qkv laid out head-major, MLP up and
+    gate); ``row`` — linears whose input features split (attention output,
+    MLP down), whose partial outputs are summed; ``vocab`` — the token
+    embedding, split over the vocabulary; ``head`` — an untied LM head, its
+    logits split over the vocabulary (a head tied to the embedding shares
+    its weight and split).
+
+    >>> TransformerNames(column=r"layers\\.\\d+\\.fc1", row=r"layers\\.\\d+\\.fc2")
+    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None)
+    """
+
+    column: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
+    row: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
+    vocab: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
+    head: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
+
+
+GPT_NAMES = TransformerNames(
+    column=r"blocks\.\d+\.(attn\.qkv|mlp\.fc)",
+    row=r"blocks\.\d+\.(attn\.proj|mlp\.proj)",
+    vocab=r"wte",
+    head=r"lm_head",
+)
+"""The module names of the example GPT (``examples/gpt.py``, GPT-2's)."""
+
+
+def megatron(tp: str = "tp", *, names: TransformerNames = GPT_NAMES) -> Rules:
+    """Megatron-LM's tensor parallelism (Shoeybi et al., 2019, "Megatron-LM:
+    Training Multi-Billion Parameter Language Models Using Model
+    Parallelism") as rules over the axis ``tp``:
+
+    ==============  ==================  ==============  ====================
+    module          weight              bias            output
+    ==============  ==================  ==============  ====================
+    column          ``P(tp, None)``     ``P(tp)``       split on features
+    row             ``P(None, tp)``     added once      ``psum`` over tp
+    vocab (embed)   ``P(tp, None)``     —               ``psum`` over tp
+    head            ``P(tp, None)``     —               split on vocabulary
+    ==============  ==================  ==============  ====================
+
+    Everything else (norms, position embeddings) stays replicated. Two
+    all-reduces per block forward (after attention and after the MLP) and
+    their transposes in backward — Megatron's four. Attention must take its
+    head count from the width it is given (``qkv`` laid out head-major, see
+    ``examples/gpt.py``); the loss of split logits is
+    :func:`shardax.vocab_parallel_cross_entropy`. Split dims must divide
+    evenly. Compose with ``rules.zero(stage, "dp")`` for dp × tp.
+
+    >>> import shardax as sx
+    >>> rules = sx.rules.megatron("tp")
+    >>> mesh = sx.AbstractMesh({"tp": 2})
+    >>> [rules.spec_for(p, (8, 4), mesh) for p in ("blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight")]
+    [P('tp', None), P(None, 'tp')]
+    >>> rules.match("blocks.0.mlp.proj.bias").partial
+    ('tp',)
+    """
+    if not isinstance(names, TransformerNames):
+        raise ShardingError(f"names is a TransformerNames; got {names!r}")
+    col, row = names.column, names.row
+    entries: list[Rule | ModuleRule] = [
+        Rule(rf"({col})\.weight", P(tp, None)),
+        Rule(rf"({col})\.bias", P(tp)),
+        Rule(rf"({row})\.weight", P(None, tp)),
+        Rule(rf"({row})\.bias", P(), partial=tp),
+        ModuleRule(row, output=Relayout(P(), P(), partial=tp)),
+    ]
+    if names.vocab is not None:
+        entries.append(Rule(rf"({names.vocab})\.weight", P(tp, None)))
+        entries.append(ModuleRule(names.vocab, forward=vocab_parallel_embedding(tp)))
+    if names.head is not None:
+        entries.append(Rule(rf"({names.head})\.weight", P(tp, None)))
+    return Rules(*entries, divisible=True)

@@ -128,22 +128,28 @@ def param_count(cfg: GPTConfig) -> int:
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: one fused ``qkv`` projection, scaled
-    dot-product attention with a causal mask, an output ``proj``."""
+    dot-product attention with a causal mask, an output ``proj``.
+
+    ``qkv``'s output features are laid out head-major — ``[head, (q, k, v),
+    head_dim]``, as Megatron-LM lays them out — and the head count is read
+    from the width ``qkv`` returns: split ``qkv`` by rows over a
+    tensor-parallel axis and each rank runs whole heads of its own
+    (``rules.megatron``), with no change here."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[B, T, d_model]`` → ``[B, T, d_model]``."""
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).unbind(3)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):

@@ -20,6 +20,8 @@ from ._explain import Explanation as Explanation
 from ._explain import explain as explain
 from ._grad import value_and_grad as value_and_grad
 from ._layout import Layout as Layout
+from ._modules import ModuleRule as ModuleRule
+from ._modules import Relayout as Relayout
 from ._params import init_params as init_params
 from ._params import params_of as params_of
 from ._placement import Placement as Placement
@@ -34,16 +36,20 @@ from ._sharded import Sharded as Sharded
 from ._spec import NamedSharding as NamedSharding
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
+from ._tensor_parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from ._tensor_parallel import vocab_parallel_embedding as vocab_parallel_embedding
 from ._transfer import transfer as transfer
 
 __all__ = [
     "Explanation",
     "Layout",
+    "ModuleRule",
     "NamedSharding",
     "P",
     "PartitionSpec",
     "Placement",
     "Plan",
+    "Relayout",
     "Rule",
     "Rules",
     "ShardOver",
@@ -61,4 +67,6 @@ __all__ = [
     "shard",
     "transfer",
     "value_and_grad",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
 ]

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import ShardingError
 from ._fused import Gathered, start_gather
+from ._modules import install
 from ._placement import role_layout
 from ._sharded import Sharded
 from ._transfer import transfer
@@ -181,6 +182,7 @@ def apply(
     *args: Any,
     units: Units = None,
     prefetch: bool = True,
+    rules: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Call ``model(*args, **kwargs)`` with its parameters and buffers taken
@@ -198,6 +200,11 @@ def apply(
             predicate ``(path, module) -> bool``, or None for the root plus
             every module held in a ``ModuleList``/``ModuleDict``/``Sequential``.
         prefetch: start the next unit's gather while this one computes.
+        rules: :class:`Rules` whose :class:`ModuleRule` entries relayout
+            activations at module boundaries or replace a module's forward
+            (tensor and sequence parallelism: ``rules.megatron``); their
+            parameter rules are not used here (the params carry their
+            placements).
         **kwargs: keyword arguments of ``model``'s forward.
 
     Returns:
@@ -222,6 +229,11 @@ def apply(
     tape = current_tape()
     run = _Run(_plan(model, params, units), tape, prefetch)
     hooks = []
+    mesh = next((x.mesh for x in params.values() if isinstance(x, Sharded)), None)
+    module_rules = getattr(rules, "modules", ()) if rules is not None else ()
+    if rules is not None and not hasattr(rules, "modules"):
+        raise ShardingError(f"apply(rules=...) takes Rules; got {type(rules).__name__}")
+    uninstall = install(model, module_rules, mesh)
     try:
         for unit in run.units[1:]:
             hooks.append(unit.module.register_forward_pre_hook(_pre(run, unit)))
@@ -236,6 +248,7 @@ def apply(
     finally:
         for h in hooks:
             h.remove()
+        uninstall()
         run.close()
     return out
 

@@ -147,13 +147,19 @@ class Placement:
         meshes = {self.compute.mesh, self.grads.mesh, self.opt_state.mesh}
         if len(meshes) != 1:
             raise ShardingError(f"a Placement's layouts must share one mesh; got {meshes!r}")
-        for role in ("compute", "grads", "opt_state"):
+        for role in ("grads", "opt_state"):  # compute may be partial (a masked bias)
             if getattr(self, role).partial:
                 raise ShardingError(f"a Placement's {role} layout cannot be partial")
+        if set(self.compute.partial) & set(self.grads.spec.axes):
+            raise ShardingError(
+                f"a compute layout partial over {self.compute.partial!r} needs grads replicated "
+                f"there; got {self.grads.spec!r}"
+            )
 
     def __repr__(self) -> str:
+        partial = f" partial={self.compute.partial!r}" if self.compute.partial else ""
         return (
-            f"Placement(compute={self.compute.spec!r}, grads={self.grads.spec!r}, "
+            f"Placement(compute={self.compute.spec!r}{partial}, grads={self.grads.spec!r}, "
             f"opt_state={self.opt_state.spec!r})"
         )
 

@@ -14,8 +14,9 @@ from typing import Any
 import attrs
 
 from ..errors import ShardingError
-from ..mesh._mesh import AbstractMesh
+from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
+from ._modules import ModuleRule
 from ._placement import ROLES, Placement, ShardOver
 from ._spec import NamedSharding, P, PartitionSpec, as_spec
 
@@ -40,10 +41,19 @@ class Rule:
     True
     >>> Rule("emb", P("dp")) + Rule(".*", P())
     Rules(Rule('emb', P('dp')), Rule('.*', P()))
+
+    ``partial`` makes the *compute* value a pending sum over those axes: the
+    stored (replicated) value on index 0 of them, zeros elsewhere. A
+    row-parallel linear's bias is one: each rank adds it to its partial
+    output, and the sum over ``tp`` counts it once.
+
+    >>> Rule(r".*\\.proj\\.bias", P(), partial="tp")
+    Rule('.*\\\\.proj\\\\.bias', P(), partial=('tp',))
     """
 
     pattern: str
     spec: PartitionSpec = attrs.field(converter=as_spec)
+    partial: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
 
     @_regex.default
@@ -67,11 +77,14 @@ class Rule:
         return Rules(self) if isinstance(other, int) and other == 0 else Rules(other, self)
 
     def __repr__(self) -> str:
-        return f"Rule({self.pattern!r}, {self.spec!r})"
+        tail = f", partial={self.partial!r}" if self.partial else ""
+        return f"Rule({self.pattern!r}, {self.spec!r}{tail})"
 
 
 ShardOver.__add__ = Rule.__add__  # type: ignore[method-assign]
 ShardOver.__radd__ = Rule.__radd__  # type: ignore[method-assign]
+ModuleRule.__add__ = Rule.__add__  # type: ignore[attr-defined]
+ModuleRule.__radd__ = Rule.__radd__  # type: ignore[attr-defined]
 
 
 def _glob_regex(pattern: str) -> str:
@@ -103,25 +116,37 @@ class Rules:
     overs: tuple[ShardOver, ...]
     strict: bool
     divisible: bool
+    modules: tuple[ModuleRule, ...] = ()
 
     def __init__(
-        self, *rules: Rule | ShardOver | Rules, strict: bool = False, divisible: bool = False
+        self,
+        *rules: Rule | ShardOver | ModuleRule | Rules,
+        strict: bool = False,
+        divisible: bool = False,
     ) -> None:
         flat: list[Rule] = []
         overs: list[ShardOver] = []
+        modules: list[ModuleRule] = []
         for r in rules:
             if isinstance(r, Rules):
                 flat.extend(r.rules)
                 overs.extend(o for o in r.overs if o not in overs)
+                modules.extend(r.modules)
                 strict, divisible = strict or r.strict, divisible or r.divisible
             elif isinstance(r, Rule):
                 flat.append(r)
             elif isinstance(r, ShardOver):
                 if r not in overs:
                     overs.append(r)
+            elif isinstance(r, ModuleRule):
+                modules.append(r)
             else:
-                raise ShardingError(f"Rules takes Rule, ShardOver or Rules values; got {r!r}")
-        self.__attrs_init__(tuple(flat), tuple(overs), bool(strict), bool(divisible))
+                raise ShardingError(
+                    f"Rules takes Rule, ShardOver, ModuleRule or Rules values; got {r!r}"
+                )
+        self.__attrs_init__(
+            tuple(flat), tuple(overs), bool(strict), bool(divisible), tuple(modules)
+        )
 
     def __add__(self, other: Rule | ShardOver | Rules) -> Rules:
         return Rules(self, other)
@@ -165,7 +190,11 @@ class Rules:
 
     def placement(self, path: str, shape: Sequence[int], mesh: AbstractMesh) -> Placement:
         """The compute, grads and opt_state layouts of one leaf."""
-        return Placement(*(Layout(mesh, self.spec_for(path, shape, mesh, r)) for r in ROLES[1:]))
+        rule = self.match(path) if len(shape) else None
+        partial = rule.partial if rule is not None else ()
+        compute = Layout(mesh, self.spec_for(path, shape, mesh, "compute"), partial=partial)
+        grads, opt = (Layout(mesh, self.spec_for(path, shape, mesh, r)) for r in ROLES[2:])
+        return Placement(compute, grads, opt)
 
     def unmatched(self, paths: Iterable[str]) -> list[str]:
         """The paths no rule matches."""
@@ -175,7 +204,8 @@ class Rules:
         flags = (", strict=True" if self.strict else "") + (
             ", divisible=True" if self.divisible else ""
         )
-        return "Rules(" + ", ".join(repr(r) for r in (*self.rules, *self.overs)) + flags + ")"
+        entries = (*self.rules, *self.overs, *self.modules)
+        return "Rules(" + ", ".join(repr(r) for r in entries) + flags + ")"
 
 
 def fit_spec(

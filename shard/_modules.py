@@ -1,0 +1,212 @@
+"""Rules for modules: the layouts of activations at module boundaries, and
+functional replacements for modules that compute differently when sharded.
+
+A :class:`ModuleRule` names modules by path (a regex, like :class:`Rule`
+does for parameters) and says what :func:`shardax.apply` does around them:
+relayout positional inputs before the module runs and its output after
+(each a :class:`Relayout`: the layout the tensor arrives in → the layout
+wanted, moved by :func:`shardax.transfer`, so backward gets the transposed
+collective), or run a ``forward`` of its own instead of the module's. This
+is how tensor parallelism is stated as data: a row-parallel linear yields a
+partial sum over ``tp`` that becomes replicated (a ``psum``) or, with
+sequence parallelism, split over the sequence (a ``psum_scatter``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from ..errors import ShardingError
+from ..mesh._mesh import AbstractMesh, normalize_axes
+from ._layout import Layout
+from ._sharded import Sharded
+from ._spec import PartitionSpec, as_spec
+
+__all__ = ["ModuleRule", "Relayout", "install"]
+
+
+@attrs.frozen(repr=False)
+class Relayout:
+    """Move an activation from layout ``src`` (with pending sums over
+    ``partial``) to layout ``dst``, on the parameters' mesh. Activations are
+    split evenly: a dim split over axes of total size ``n`` holds ``1/n`` of
+    the global dim on every rank.
+
+    >>> from shardax import P
+    >>> Relayout(P(), P(), partial="tp")          # a row-parallel output: psum
+    Relayout(P(), P(), partial=('tp',))
+    >>> Relayout(P(None, "tp"), P())               # sequence-split → replicated: all_gather
+    Relayout(P(None, 'tp'), P())
+    """
+
+    src: PartitionSpec = attrs.field(converter=as_spec)
+    dst: PartitionSpec = attrs.field(converter=as_spec)
+    partial: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
+
+    def __call__(self, t: torch.Tensor, mesh: AbstractMesh, where: str = "") -> torch.Tensor:
+        """``t`` (this rank's piece in ``src``) moved to ``dst``: this rank's piece."""
+        from ._transfer import transfer
+
+        if not isinstance(t, torch.Tensor):
+            raise ShardingError(f"{where}: {self!r} needs a tensor; got {type(t).__name__}")
+        if len(self.src.entries) > t.ndim or len(self.dst.entries) > t.ndim:
+            raise ShardingError(
+                f"{where}: {self!r} has more entries than the activation has dims "
+                f"(shape {tuple(t.shape)})"
+            )
+        shape = list(t.shape)
+        for d, axes in enumerate(self.src.dim_axes(t.ndim)):
+            shape[d] *= math.prod(mesh.size(a) for a in axes)
+        src = Layout(mesh, self.src, partial=self.partial)
+        return transfer(Sharded(t, src, tuple(shape)), Layout(mesh, self.dst)).local
+
+    def __repr__(self) -> str:
+        tail = f", partial={self.partial!r}" if self.partial else ""
+        return f"Relayout({self.src!r}, {self.dst!r}{tail})"
+
+
+Forward = Callable[..., Any]
+"""``forward(module, mesh, *args, **kwargs)``: the module's computation when
+sharded; its parameters are its compute-layout pieces."""
+
+
+def _relayouts(value: Any) -> tuple[Relayout | None, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, Relayout) else tuple(value)
+    for r in items:
+        if r is not None and not isinstance(r, Relayout):
+            raise ShardingError(
+                f"ModuleRule inputs are Relayout or None (one per argument); got {r!r}"
+            )
+    return items
+
+
+@attrs.frozen(repr=False)
+class ModuleRule:
+    """What :func:`shardax.apply` does around the modules whose path fully
+    matches the regex ``pattern``: relayout the positional ``inputs`` (one
+    :class:`Relayout` or None per argument) before the module runs and its
+    ``output`` after, or run ``forward(module, mesh, *args, **kwargs)``
+    instead of the module's own forward. The first matching module rule wins.
+
+    >>> from shardax import P
+    >>> ModuleRule(r"blocks\\.\\d+\\.mlp\\.proj", output=Relayout(P(), P(), partial="tp"))
+    ModuleRule('blocks\\\\.\\\\d+\\\\.mlp\\\\.proj', output=Relayout(P(), P(), partial=('tp',)))
+    """
+
+    pattern: str
+    inputs: tuple[Relayout | None, ...] = attrs.field(
+        default=(), converter=_relayouts, kw_only=True
+    )
+    output: Relayout | None = attrs.field(default=None, kw_only=True)
+    forward: Forward | None = attrs.field(default=None, kw_only=True)
+    _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
+
+    @_regex.default
+    def _make_regex(self) -> re.Pattern[str]:
+        if not isinstance(self.pattern, str):
+            raise ShardingError(
+                f"a module rule pattern is a string (a regex); got {self.pattern!r}"
+            )
+        try:
+            return re.compile(self.pattern)
+        except re.error as err:
+            raise ShardingError(
+                f"module rule pattern {self.pattern!r} is not a valid regex: {err}"
+            ) from None
+
+    def __attrs_post_init__(self) -> None:
+        if self.output is not None and not isinstance(self.output, Relayout):
+            raise ShardingError(f"ModuleRule output is a Relayout or None; got {self.output!r}")
+        if self.forward is not None and not callable(self.forward):
+            raise ShardingError(f"ModuleRule forward must be callable; got {self.forward!r}")
+
+    def matches(self, path: str) -> bool:
+        return self._regex.fullmatch(path) is not None
+
+    def __repr__(self) -> str:
+        parts = [repr(self.pattern)]
+        if self.inputs:
+            parts.append(f"inputs={self.inputs!r}")
+        if self.output is not None:
+            parts.append(f"output={self.output!r}")
+        if self.forward is not None:
+            parts.append(f"forward={getattr(self.forward, '__name__', self.forward)!s}")
+        return f"ModuleRule({', '.join(parts)})"
+
+
+def install(
+    model: nn.Module, rules: Sequence[ModuleRule], mesh: AbstractMesh | None
+) -> Callable[[], None]:
+    """Hook ``rules`` onto the matching modules of ``model``; returns the
+    function that removes every hook and restores every forward."""
+    undo: list[Callable[[], None]] = []
+    if not rules:
+        return lambda: None
+    for path, module in model.named_modules():
+        rule = next((r for r in rules if r.matches(path)), None)
+        if rule is None:
+            continue
+        if mesh is None:
+            raise ShardingError(
+                f"module rule {rule!r} matches {path!r} but no parameter is Sharded: module rules "
+                "run on the parameters' mesh (shard them with shardax.shard or init_params)"
+            )
+        if rule.inputs:
+            undo.append(module.register_forward_pre_hook(_inputs(rule, mesh, path)).remove)
+        if rule.output is not None:
+            undo.append(module.register_forward_hook(_output(rule, mesh, path)).remove)
+        if rule.forward is not None:
+            undo.append(_override(module, rule.forward, mesh))
+
+    def remove() -> None:
+        for u in reversed(undo):
+            u()
+
+    return remove
+
+
+def _inputs(rule: ModuleRule, mesh: AbstractMesh, path: str) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        moved = list(args)
+        for i, r in enumerate(rule.inputs[: len(args)]):
+            if r is not None:
+                moved[i] = r(args[i], mesh, f"{path} input {i}")
+        return tuple(moved)
+
+    return hook
+
+
+def _output(rule: ModuleRule, mesh: AbstractMesh, path: str) -> Callable[..., Any]:
+    assert rule.output is not None
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        return rule.output(output, mesh, f"{path} output")  # type: ignore[misc]
+
+    return hook
+
+
+def _override(module: nn.Module, forward: Forward, mesh: AbstractMesh) -> Callable[[], None]:
+    had = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return forward(module, mesh, *args, **kwargs)
+
+    module.forward = run  # type: ignore[method-assign]
+
+    def restore() -> None:
+        if had:
+            module.forward = own  # type: ignore[method-assign]
+        else:
+            del module.forward
+
+    return restore
