@@ -80,18 +80,21 @@ class TransformerNames:
     ``tp`` (attention q/k/v or a fused qkv laid out head-major, MLP up and
     gate); ``row`` — linears whose input features split (attention output,
     MLP down), whose partial outputs are summed; ``vocab`` — the token
-    embedding, split over the vocabulary; ``head`` — an untied LM head, its
-    logits split over the vocabulary (a head tied to the embedding shares
-    its weight and split).
+    embedding, split over the vocabulary; ``head`` — the LM head, its logits
+    split over the vocabulary (a head tied to the embedding shares its
+    weight and split); ``positions`` — a learned position embedding whose
+    output ``[T, d]`` is added to the token embeddings (split over the
+    sequence under sequence parallelism).
 
     >>> TransformerNames(column=r"layers\\.\\d+\\.fc1", row=r"layers\\.\\d+\\.fc2")
-    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None)
+    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None)
     """
 
     column: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
     row: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
     vocab: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
     head: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
+    positions: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
 
 
 GPT_NAMES = TransformerNames(
@@ -99,11 +102,14 @@ GPT_NAMES = TransformerNames(
     row=r"blocks\.\d+\.(attn\.proj|mlp\.proj)",
     vocab=r"wte",
     head=r"lm_head",
+    positions=r"wpe",
 )
 """The module names of the example GPT (``examples/gpt.py``, GPT-2's)."""
 
 
-def megatron(tp: str = "tp", *, names: TransformerNames = GPT_NAMES) -> Rules:
+def megatron(
+    tp: str = "tp", *, sequence_parallel: bool = False, names: TransformerNames = GPT_NAMES
+) -> Rules:
     """Megatron-LM's tensor parallelism (Shoeybi et al., 2019, "Megatron-LM:
     Training Multi-Billion Parameter Language Models Using Model
     Parallelism") as rules over the axis ``tp``:
@@ -125,6 +131,16 @@ def megatron(tp: str = "tp", *, names: TransformerNames = GPT_NAMES) -> Rules:
     :func:`shardax.vocab_parallel_cross_entropy`. Split dims must divide
     evenly. Compose with ``rules.zero(stage, "dp")`` for dp × tp.
 
+    ``sequence_parallel`` (Korthikanti et al., 2022, "Reducing Activation
+    Recomputation in Large Transformer Models"): between the tensor-parallel
+    regions — norms, residual adds, dropout — activations ``[B, T, d]`` are
+    split over ``tp`` on the sequence, so each rank holds ``1/tp`` of them:
+    a column-parallel input is all-gathered over the sequence, a row-parallel
+    (or embedding) output reduce-scattered onto it instead of all-reduced —
+    the same bytes on the wire, a fraction of the activation memory. The
+    position embedding's output is split to match, and the head gathers the
+    sequence back. ``T`` must divide by the ``tp`` size.
+
     >>> import shardax as sx
     >>> rules = sx.rules.megatron("tp")
     >>> mesh = sx.AbstractMesh({"tp": 2})
@@ -136,16 +152,31 @@ def megatron(tp: str = "tp", *, names: TransformerNames = GPT_NAMES) -> Rules:
     if not isinstance(names, TransformerNames):
         raise ShardingError(f"names is a TransformerNames; got {names!r}")
     col, row = names.column, names.row
+    seq = P(None, tp)  # [B, T, d] split on the sequence
+    between = seq if sequence_parallel else P()  # activations outside the tp regions
+    gather = [Relayout(seq, P())] if sequence_parallel else []
     entries: list[Rule | ModuleRule] = [
         Rule(rf"({col})\.weight", P(tp, None)),
         Rule(rf"({col})\.bias", P(tp)),
         Rule(rf"({row})\.weight", P(None, tp)),
         Rule(rf"({row})\.bias", P(), partial=tp),
-        ModuleRule(row, output=Relayout(P(), P(), partial=tp)),
+        ModuleRule(row, output=Relayout(P(), between, partial=tp)),
     ]
+    if gather:
+        entries.append(ModuleRule(col, inputs=gather))
     if names.vocab is not None:
         entries.append(Rule(rf"({names.vocab})\.weight", P(tp, None)))
-        entries.append(ModuleRule(names.vocab, forward=vocab_parallel_embedding(tp)))
+        entries.append(
+            ModuleRule(
+                names.vocab,
+                forward=vocab_parallel_embedding(tp),
+                output=Relayout(P(), between, partial=tp),
+            )
+        )
     if names.head is not None:
         entries.append(Rule(rf"({names.head})\.weight", P(tp, None)))
+        if gather:
+            entries.append(ModuleRule(names.head, inputs=gather))
+    if names.positions is not None and sequence_parallel:
+        entries.append(ModuleRule(names.positions, output=Relayout(P(), P(tp))))
     return Rules(*entries, divisible=True)

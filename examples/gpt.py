@@ -132,9 +132,10 @@ class CausalSelfAttention(nn.Module):
 
     ``qkv``'s output features are laid out head-major — ``[head, (q, k, v),
     head_dim]``, as Megatron-LM lays them out — and the head count is read
-    from the width ``qkv`` returns: split ``qkv`` by rows over a
-    tensor-parallel axis and each rank runs whole heads of its own
-    (``rules.megatron``), with no change here."""
+    from the width ``qkv`` returns (and the sequence length from its
+    output): split ``qkv`` by rows over a tensor-parallel axis and each rank
+    runs whole heads of its own (``rules.megatron``, with or without
+    sequence parallelism), with no change here."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -144,8 +145,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[B, T, d_model]`` → ``[B, T, d_model]``."""
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).unbind(3)
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape  # its input may be a piece of the sequence, gathered by qkv
+        q, k, v = qkv.view(b, t, -1, 3, self.head_dim).unbind(3)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )

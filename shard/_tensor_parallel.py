@@ -34,8 +34,10 @@ def _piece(n: int, axis: Axis, mesh: Any) -> tuple[int, int]:
 def vocab_parallel_embedding(axis: Axis = "tp") -> Any:
     """A ``forward`` for :class:`ModuleRule` that runs an ``nn.Embedding``
     whose weight rows (the vocabulary) are split over ``axis``: each rank
-    looks up the ids in its rows, zeros the others, and a ``psum`` over
-    ``axis`` completes every row (Megatron-LM's vocab-parallel embedding).
+    looks up the ids in its rows and zeros the others — a partial sum over
+    ``axis``, which the rule's ``output`` relayout completes (a ``psum``, or
+    with sequence parallelism a ``psum_scatter``): Megatron-LM's
+    vocab-parallel embedding.
 
     >>> import torch, shardax as sx
     >>> mesh = sx.Mesh({"tp": 1})
@@ -61,8 +63,7 @@ def vocab_parallel_embedding(axis: Axis = "tp") -> Any:
         local = ids - start
         inside = (local >= 0) & (local < stop - start)
         rows = F.embedding(local.clamp(0, max(stop - start - 1, 0)), weight)
-        rows = rows * inside.unsqueeze(-1).to(rows.dtype)
-        return C.psum(rows, axis, mesh=mesh)
+        return rows * inside.unsqueeze(-1).to(rows.dtype)
 
     forward.__name__ = f"vocab_parallel_embedding({axis!r})"
     return forward

@@ -17,6 +17,7 @@ PAGES = [
     "docs/optim.md",
     "docs/data.md",
     "docs/ckpt.md",
+    "docs/tensor_parallel.md",
 ]
 
 

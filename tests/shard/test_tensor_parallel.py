@@ -49,9 +49,9 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in sx.params_of(model).items()}
 
 
-def train_tp(shape: dict[str, int], stage: int) -> tuple[list[float], dict, dict]:
+def train_tp(shape: dict[str, int], stage: int, sp: bool = False) -> tuple[list[float], dict, dict]:
     mesh = sx.Mesh(shape)
-    rules = sx.rules.megatron("tp")
+    rules = sx.rules.megatron("tp", sequence_parallel=sp)
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
     with torch.device("meta"):
@@ -81,14 +81,20 @@ def train_tp(shape: dict[str, int], stage: int) -> tuple[list[float], dict, dict
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
-    ("shape", "stage"),
-    [({"tp": 2}, 0), ({"dp": 2, "tp": 2}, 1), ({"dp": 2, "tp": 2}, 3)],
-    ids=["tp2", "dp2xtp2-zero1", "dp2xtp2-zero3"],
+    ("shape", "stage", "sp"),
+    [
+        ({"tp": 2}, 0, False),
+        ({"dp": 2, "tp": 2}, 1, False),
+        ({"dp": 2, "tp": 2}, 3, False),
+        ({"tp": 2}, 0, True),
+        ({"dp": 2, "tp": 2}, 3, True),
+    ],
+    ids=["tp2", "dp2xtp2-zero1", "dp2xtp2-zero3", "tp2-sp", "dp2xtp2-zero3-sp"],
 )
-def test_megatron_gpt_matches_pytorch(shape, stage):
+def test_megatron_gpt_matches_pytorch(shape, stage, sp):
     ref_losses, ref_params = reference()
     world = 2 if shape == {"tp": 2} else 4
-    for losses, params, specs in run_ranks(train_tp, shape, stage, world_size=world):
+    for losses, params, specs in run_ranks(train_tp, shape, stage, sp, world_size=world):
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
         assert sorted(params) == sorted(ref_params)
         for k, v in ref_params.items():
@@ -112,8 +118,8 @@ def vocab_parallel_pieces(vocab: int) -> tuple[bool, bool, bool, bool]:
 
     emb = torch.nn.Embedding(vocab, 6)
     emb.weight = torch.nn.Parameter(weight[rows].clone())
-    out = sx.vocab_parallel_embedding("tp")(emb, mesh, ids)
-    emb_ok = torch.equal(out, F.embedding(ids, weight))
+    partial = sx.vocab_parallel_embedding("tp")(emb, mesh, ids)
+    emb_ok = torch.equal(sx.collectives.psum(partial, "tp", mesh=mesh), F.embedding(ids, weight))
 
     piece = logits[..., rows].clone().requires_grad_(True)
     loss = sx.vocab_parallel_cross_entropy(piece, ids, "tp", mesh=mesh)
@@ -157,3 +163,54 @@ def test_module_rules_need_sharded_params_and_rules():
         sx.apply(model, params, x, rules=sx.rules.megatron("tp"))
     with pytest.raises(sx.ShardingError, match=r"apply\(rules=\.\.\.\) takes Rules"):
         sx.apply(model, params, x, rules={"tp": 2})
+
+
+def _peak_mib(fn) -> float:
+    """The rise of this process's peak RSS while ``fn`` runs (Linux)."""
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) restarts from the current RSS
+    before = status("VmRSS")
+    fn()
+    return (status("VmHWM") - before) / 1024
+
+
+def cross_entropy_memory(tokens: int, vocab: int) -> tuple[float, float]:
+    """Peak memory of forward + backward: the vocab-parallel loss on this
+    rank's half of the logits, and the dense loss on the full logits."""
+    mesh = sx.Mesh({"tp": -1})
+    n, i = mesh.size("tp"), mesh.axis_index("tp")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (tokens,), generator=g)
+    piece = torch.randn(tokens, vocab // n, generator=g).requires_grad_(True)
+    full = torch.randn(tokens, vocab, generator=g).requires_grad_(True)
+
+    def parallel() -> None:
+        loss = sx.vocab_parallel_cross_entropy(piece, ids, "tp", mesh=mesh)
+        sx.collectives.count_once(loss, "tp", mesh=mesh).backward()
+
+    def dense() -> None:
+        F.cross_entropy(full, ids).backward()
+
+    parallel()  # warm up both paths (first-call allocations are not the loss's)
+    dense()
+    piece.grad = full.grad = None
+    ours = _peak_mib(parallel)
+    piece.grad = None
+    theirs = _peak_mib(dense)
+    del i
+    return ours, theirs
+
+
+@pytest.mark.world_size(2)
+def test_vocab_parallel_cross_entropy_needs_a_tp_th_of_the_memory():
+    """On a 64k vocabulary (full logits 128 MiB), forward + backward of the
+    vocab-parallel loss on tp=2 peaks at about half of the dense loss's."""
+    for ours, theirs in run_ranks(cross_entropy_memory, 512, 65536, world_size=2):
+        assert theirs > 200, theirs  # the dense loss holds several full-size tensors
+        print(f"vocab-parallel {ours:.0f} MiB, dense {theirs:.0f} MiB")
+        assert ours < 0.6 * theirs, (ours, theirs)
