@@ -18,7 +18,17 @@ once per mode:
   shared-memory op DeepSpeed uses only for inference, about 30 s, untimed;
 - ``shardax0`` … ``shardax3``: ``sx.rules.zero(stage)``, parameters
   initialised shard by shard from a ``meta`` model, ``sx.value_and_grad``
-  and ``sx.optim.adamw``.
+  and ``sx.optim.adamw``;
+- ``shardax-tp``, ``shardax-tp-sp``: ``sx.rules.megatron`` over every rank
+  (``tp`` = ``--nproc``), without and with sequence parallelism; the ranks
+  share one global batch (the same tokens per step as the other modes) and
+  the loss is ``sx.vocab_parallel_cross_entropy``. These rows also carry
+  the communication of one step (``sx.collectives.traffic()``, by op) and
+  check it against Megatron's formula: per layer and step, 4 all-reduces of
+  ``b·s·h`` (2 forward, 2 backward), which sequence parallelism replaces by
+  all-gathers and reduce-scatters moving the same bytes; the embedding adds
+  2 more, and sequence parallelism's head gather 2. On CPU, tensor
+  parallelism is not expected to be faster.
 
 Every (mode, repeat) runs in fresh rank processes started by ``shardax
 launch`` (peak RSS is a lifetime maximum), and modes are interleaved across
@@ -54,6 +64,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +86,8 @@ ALL_MODES = [
     "fsdp2",
     *(f"deepspeed{s}" for s in range(4)),
     *(f"shardax{s}" for s in range(4)),
+    "shardax-tp",
+    "shardax-tp-sp",
 ]
 ANCHORS = ["fsdp2", "deepspeed3", "deepspeed2"]
 LOSS_TOLERANCE = 1e-4
@@ -192,6 +205,59 @@ def setup_shardax(stage: int, cfg: GPTConfig, seed: int) -> Step:
     return step
 
 
+def setup_tensor_parallel(cfg: GPTConfig, seed: int, sequence_parallel: bool) -> Step:
+    """shardax ``rules.megatron`` over all ranks (``tp``), the vocab-parallel loss."""
+    mesh = sx.Mesh({"tp": -1})
+    rules = sx.rules.megatron("tp", sequence_parallel=sequence_parallel)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    torch.manual_seed(seed)
+    params = sx.init_params(model, mesh, rules)
+    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    opt_state = opt.init(params)
+
+    def loss_fn(params, batch):
+        logits = sx.apply(model, params, batch["x"], rules=rules)
+        return sx.vocab_parallel_cross_entropy(logits, batch["y"], "tp", mesh=mesh)
+
+    grad_fn = sx.value_and_grad(loss_fn)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal params, opt_state
+        loss, grads = grad_fn(params, {"x": x, "y": y})
+        updates, opt_state = opt.update(grads, opt_state, params)
+        del grads
+        params = sx.optim.apply_updates(params, updates, donate=True)
+        return loss.detach()
+
+    return step
+
+
+def megatron_check(traffic: Any, cfg: GPTConfig, tokens: int, world: int, sp: bool) -> dict:
+    """One step's activation collectives over ``tp`` (buffers of ``b·s·h``
+    elements) against Megatron's count and bytes."""
+    size = tokens * cfg.d_model * 4  # b·s·h, fp32
+    if sp:
+        calls = traffic.count("all_gather", ("tp",), size) + traffic.count(
+            "psum_scatter", ("tp",), size
+        )
+        wire = calls * (world - 1) / world * size
+        expected_calls = 8 * cfg.n_layers + 4  # + the embedding's and the head's pairs
+    else:
+        calls = traffic.count("psum", ("tp",), size)
+        wire = calls * 2 * (world - 1) / world * size
+        expected_calls = 4 * cfg.n_layers + 2  # + the embedding's all-reduce and its transpose
+    # an all-gather plus a reduce-scatter move the bytes of one all-reduce
+    expected_wire = (4 * cfg.n_layers + 2) * 2 * (world - 1) / world * size
+    return {
+        "activation_calls": calls,
+        "activation_wire_bytes": wire,
+        "expected_calls": expected_calls,
+        "expected_wire_bytes": expected_wire,
+        "matches": calls == expected_calls and abs(wire - expected_wire) <= 1e-9 * expected_wire,
+    }
+
+
 def setup(mode: str, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
     """Build ``mode``'s model and optimizer on this rank; return its step."""
     if mode == "ddp":
@@ -200,6 +266,8 @@ def setup(mode: str, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
         return setup_fsdp2(cfg, seed)
     if mode.startswith("deepspeed"):
         return setup_deepspeed(int(mode[-1]), cfg, seed, micro_batch)
+    if mode in ("shardax-tp", "shardax-tp-sp"):
+        return setup_tensor_parallel(cfg, seed, sequence_parallel=mode.endswith("-sp"))
     if mode.startswith("shardax"):
         return setup_shardax(int(mode[-1]), cfg, seed)
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(ALL_MODES)}")
@@ -256,14 +324,21 @@ def load_tokens(path: Path, vocab_size: int) -> torch.Tensor:
 
 
 def batch(
-    tokens: torch.Tensor, step: int, *, seed: int, seq_len: int, micro_batch: int
+    tokens: torch.Tensor,
+    step: int,
+    *,
+    seed: int,
+    seq_len: int,
+    micro_batch: int,
+    shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of step ``step``'s global batch: random windows,
-    the same for every mode and world size given the seed."""
+    """This rank's slice of step ``step``'s global batch (all of it when
+    ``shared``: tensor-parallel ranks work on the same tokens): random
+    windows, the same for every mode and world size given the seed."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(len(tokens) - seq_len - 1, (micro_batch * world,), generator=g)
-    mine = starts[rank * micro_batch : (rank + 1) * micro_batch]
+    mine = starts if shared else starts[rank * micro_batch : (rank + 1) * micro_batch]
     windows = tokens[mine[:, None] + torch.arange(seq_len + 1)]
     return windows[:, :-1], windows[:, 1:]
 
@@ -288,11 +363,22 @@ def worker(args: argparse.Namespace) -> int:
     rss_start = peak_rss_mib()
     cfg = config_from(args)
     tokens = load_tokens(Path(args.data), cfg.vocab_size)
-    batch_at = partial(batch, tokens, seed=args.seed, seq_len=cfg.seq_len, micro_batch=args.micro)
+    tensor_parallel = mode in ("shardax-tp", "shardax-tp-sp")
+    batch_at = partial(
+        batch,
+        tokens,
+        seed=args.seed,
+        seq_len=cfg.seq_len,
+        micro_batch=args.micro,
+        shared=tensor_parallel,
+    )
     started = time.perf_counter()
     step = setup(mode, cfg, args.seed, args.micro)
     build_s = time.perf_counter() - started
-    losses = [step(*batch_at(i)) for i in range(args.warmup)]
+    losses = [step(*batch_at(i)) for i in range(args.warmup - 1)]
+    with sx.collectives.traffic() as traffic:  # the last warm-up step's communication
+        if args.warmup:
+            losses.append(step(*batch_at(args.warmup - 1)))
     times = []
     for i in range(args.warmup, args.warmup + args.steps):
         x, y = batch_at(i)
@@ -320,6 +406,13 @@ def worker(args: argparse.Namespace) -> int:
             "start_rss_mib_per_rank": [start for start, _ in rss],
             "losses": loss.tolist(),
         }
+        if mode.startswith("shardax"):
+            result["comm_per_step"] = traffic.summary()
+        if tensor_parallel:
+            tokens_global = args.micro * world * cfg.seq_len
+            result["megatron"] = megatron_check(
+                traffic, cfg, tokens_global, world, sp=mode.endswith("-sp")
+            )
         Path(args.result).write_text(json.dumps(result))
     dist.destroy_process_group()
     return 0
@@ -377,6 +470,7 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
             "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in ok),
             "first_loss": ok[0]["losses"][0],
             "last_loss": statistics.median(r["losses"][-1] for r in ok),
+            **({"megatron": ok[0]["megatron"]} if "megatron" in ok[0] else {}),
             "repeats": len(ok),
         }
     for stats in per_mode.values():
@@ -453,7 +547,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.preset, args.steps, args.repeats, args.nproc = "tiny", 2, 1, 2
         if args.modes is None:
-            args.modes = "ddp,fsdp2,shardax0,shardax1,shardax2,shardax3"
+            args.modes = "ddp,fsdp2,shardax0,shardax1,shardax2,shardax3,shardax-tp,shardax-tp-sp"
     if args.micro is None:
         args.micro = MICRO_BATCH[args.preset]
     if args.threads is None:

@@ -31,12 +31,15 @@ from ._backend import get_backend as get_backend
 from ._group import Group as Group
 from ._ops import chunk_sizes as chunk_sizes
 from ._ops import transpose as transpose
+from ._traffic import Traffic as Traffic
+from ._traffic import traffic as traffic
 
 __all__ = [
     "AsyncResult",
     "Backend",
     "Group",
     "Handle",
+    "Traffic",
     "all_gather",
     "all_to_all",
     "apply_op",
@@ -54,5 +57,6 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "traffic",
     "transpose",
 ]

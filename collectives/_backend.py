@@ -15,6 +15,7 @@ import torch
 
 from ..errors import CollectiveError
 from ._group import Group, translate_error
+from ._traffic import counting
 
 __all__ = ["Backend", "Handle", "Pending", "backend_names", "get_backend"]
 
@@ -138,7 +139,7 @@ def start(
     seq = state.seq
     state.seq += 1
     try:
-        pending = launch(state.backend)
+        pending = launch(counting(state.backend, group, op))
     except CollectiveError:
         raise
     except Exception as err:

@@ -38,11 +38,17 @@ class Group:
     one member has no process group: every collective on it is local.
     """
 
-    __slots__ = ("_torch_ranks", "index", "label", "members", "rank", "state")
+    __slots__ = ("_torch_ranks", "axes", "index", "label", "members", "rank", "state")
 
     def __init__(
-        self, members: tuple[int, ...], rank: int, state: PGState | None, label: str
+        self,
+        members: tuple[int, ...],
+        rank: int,
+        state: PGState | None,
+        label: str,
+        axes: tuple[str, ...] = (),
     ) -> None:
+        self.axes = axes
         self.members = members
         self.rank = rank
         self.index = members.index(rank)

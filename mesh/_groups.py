@@ -86,7 +86,7 @@ def group_along(mesh: Mesh, axes: tuple[str, ...]) -> Group:
     """This rank's group along ``axes`` of ``mesh`` (no communication)."""
     label = f"axes {axes!r} of {mesh!r}" if len(axes) != 1 else f"axis {axes[0]!r} of {mesh!r}"
     if mesh.size(axes) == 1 or not dist.is_initialized():
-        return Group((mesh.rank,), mesh.rank, None, label)
+        return Group((mesh.rank,), mesh.rank, None, label, axes)
     cache = _CACHE.setdefault(dist.group.WORLD, {})
     memo = ("group", mesh.axis_names, mesh.axis_sizes, axes, mesh.timeout)
     group = cache.get(memo)
@@ -98,5 +98,5 @@ def group_along(mesh: Mesh, axes: tuple[str, ...]) -> Group:
                 f"{mesh!r} has no process groups on rank {mesh.rank}: it was built before "
                 "torch.distributed was initialized, or in another job; build meshes after shardax.init()"
             )
-        group = cache[memo] = Group(mesh.ranks_along(axes), mesh.rank, state, label)
+        group = cache[memo] = Group(mesh.ranks_along(axes), mesh.rank, state, label, axes)
     return group

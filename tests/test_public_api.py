@@ -112,6 +112,7 @@ SURFACE = {
         "Backend",
         "Group",
         "Handle",
+        "Traffic",
         "all_gather",
         "all_to_all",
         "apply_op",
@@ -129,6 +130,7 @@ SURFACE = {
         "ppermute",
         "psum",
         "psum_scatter",
+        "traffic",
         "transpose",
     ],
     "shardax.rules": [

@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_MODES = {"ddp", "fsdp2", "shardax0", "shardax1", "shardax2", "shardax3"}
+SMOKE_MODES |= {"shardax-tp", "shardax-tp-sp"}
 
 
 def test_gpt_docstring_examples():
@@ -44,6 +45,17 @@ def test_train_benchmark_smoke(tmp_path):
         assert len(r["peak_rss_mib_per_rank"]) == 2
         assert r["peak_rss_mib"] == max(r["peak_rss_mib_per_rank"])
         assert len(r["losses"]) == header["warmup"] + header["steps"]
+    for r in rows:
+        if r["mode"].startswith("shardax"):
+            assert r["comm_per_step"], r["mode"]  # one step's collectives, by op
+        if r["mode"] in ("shardax-tp", "shardax-tp-sp"):
+            check = r["megatron"]  # the activation collectives: Megatron's count and bytes
+            assert check["matches"], check
+            ops = r["comm_per_step"]
+            if r["mode"] == "shardax-tp":
+                assert "psum over tp" in ops and "all_gather over tp" not in ops
+            else:
+                assert "all_gather over tp" in ops and "psum_scatter over tp" in ops
     stats = summary["summary"]
     assert set(stats) == set(header["modes"])
     assert "warning" not in summary, summary["warning"]
