@@ -35,6 +35,7 @@ __all__ = [
     "ShardOver",
     "TransformerNames",
     "megatron",
+    "ulysses",
     "zero",
 ]
 
@@ -84,10 +85,13 @@ class TransformerNames:
     split over the vocabulary (a head tied to the embedding shares its
     weight and split); ``positions`` — a learned position embedding whose
     output ``[T, d]`` is added to the token embeddings (split over the
-    sequence under sequence parallelism).
+    sequence under sequence parallelism); ``attention_in`` — the
+    projections whose outputs feed attention (a head-major fused qkv, or
+    q/k/v) and ``attention_out`` — the projection after it, for Ulysses'
+    all-to-alls.
 
     >>> TransformerNames(column=r"layers\\.\\d+\\.fc1", row=r"layers\\.\\d+\\.fc2")
-    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None)
+    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None)
     """
 
     column: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
@@ -95,6 +99,12 @@ class TransformerNames:
     vocab: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
     head: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
     positions: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
+    attention_in: str | None = attrs.field(
+        default=None, validator=lambda _, a, v: _regex(a.name, v)
+    )
+    attention_out: str | None = attrs.field(
+        default=None, validator=lambda _, a, v: _regex(a.name, v)
+    )
 
 
 GPT_NAMES = TransformerNames(
@@ -103,6 +113,8 @@ GPT_NAMES = TransformerNames(
     vocab=r"wte",
     head=r"lm_head",
     positions=r"wpe",
+    attention_in=r"blocks\.\d+\.attn\.qkv",
+    attention_out=r"blocks\.\d+\.attn\.proj",
 )
 """The module names of the example GPT (``examples/gpt.py``, GPT-2's)."""
 
@@ -180,3 +192,55 @@ def megatron(
     if names.positions is not None and sequence_parallel:
         entries.append(ModuleRule(names.positions, output=Relayout(P(), P(tp))))
     return Rules(*entries, divisible=True)
+
+
+def ulysses(sp: str = "sp", *, names: TransformerNames = GPT_NAMES) -> Rules:
+    """DeepSpeed-Ulysses sequence parallelism (Jacobs et al., 2023,
+    "DeepSpeed Ulysses: System Optimizations for Enabling Training of
+    Extreme Long Sequence Transformer Models") as rules over the axis ``sp``.
+
+    Activations ``[B, T, d]`` are split over ``sp`` on the sequence from the
+    embeddings on; parameters stay whole (compose ``rules.zero(stage, "dp")``
+    to shard them over data axes). Around attention, one all-to-all turns
+    the sequence split into a head split — each rank attends over the whole
+    sequence for ``1/sp`` of the heads, so causal masks and
+    ``scaled_dot_product_attention`` work unchanged — and one turns it back:
+
+    ==================  =========================  ===========================
+    boundary            arrives                    leaves
+    ==================  =========================  ===========================
+    token embedding     ``P()`` (every position)   ``P(None, sp)``: sliced
+    position embedding  ``P()``                    ``P(sp)``: sliced
+    ``attention_in``    out ``P(None, sp)``        ``P(None, None, sp)``: heads
+    ``attention_out``   in ``P(None, None, sp)``   ``P(None, sp)``: sequence
+    ==================  =========================  ===========================
+
+    The logits come back split over the sequence: take this rank's piece of
+    the targets the same way (``y.chunk(size, dim=1)[index]``), and
+    :func:`shardax.value_and_grad` averages the ranks' losses. The head
+    count and the sequence length must divide by the ``sp`` size; the
+    attention projections' features must be laid out head-major.
+
+    >>> import shardax as sx
+    >>> rules = sx.rules.ulysses("sp")
+    >>> [type(r).__name__ for r in rules.modules]
+    ['ModuleRule', 'ModuleRule', 'ModuleRule', 'ModuleRule']
+    """
+    if not isinstance(names, TransformerNames):
+        raise ShardingError(f"names is a TransformerNames; got {names!r}")
+    if names.attention_in is None or names.attention_out is None:
+        raise ShardingError(
+            "rules.ulysses needs names.attention_in and names.attention_out (the projections "
+            "around attention): the all-to-alls go there"
+        )
+    seq = P(None, sp)
+    entries: list[ModuleRule] = []
+    if names.vocab is not None:
+        entries.append(ModuleRule(names.vocab, output=Relayout(P(), seq)))
+    if names.positions is not None:
+        entries.append(ModuleRule(names.positions, output=Relayout(P(), P(sp))))
+    entries += [
+        ModuleRule(names.attention_in, output=Relayout(seq, P(None, None, sp))),
+        ModuleRule(names.attention_out, inputs=[Relayout(P(None, None, sp), seq)]),
+    ]
+    return Rules(*entries)

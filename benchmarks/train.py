@@ -28,7 +28,10 @@ once per mode:
   ``b·s·h`` (2 forward, 2 backward), which sequence parallelism replaces by
   all-gathers and reduce-scatters moving the same bytes; the embedding adds
   2 more, and sequence parallelism's head gather 2. On CPU, tensor
-  parallelism is not expected to be faster.
+  parallelism is not expected to be faster;
+- ``shardax-ulysses``: ``sx.rules.ulysses`` over every rank (``sp`` =
+  ``--nproc``): the shared global batch split over the sequence, all-to-alls
+  around attention, each rank's loss on its positions.
 
 Every (mode, repeat) runs in fresh rank processes started by ``shardax
 launch`` (peak RSS is a lifetime maximum), and modes are interleaved across
@@ -88,6 +91,7 @@ ALL_MODES = [
     *(f"shardax{s}" for s in range(4)),
     "shardax-tp",
     "shardax-tp-sp",
+    "shardax-ulysses",
 ]
 ANCHORS = ["fsdp2", "deepspeed3", "deepspeed2"]
 LOSS_TOLERANCE = 1e-4
@@ -233,6 +237,35 @@ def setup_tensor_parallel(cfg: GPTConfig, seed: int, sequence_parallel: bool) ->
     return step
 
 
+def setup_ulysses(cfg: GPTConfig, seed: int) -> Step:
+    """shardax ``rules.ulysses`` over all ranks (``sp``)."""
+    mesh = sx.Mesh({"sp": -1})
+    rules = sx.rules.ulysses("sp")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    torch.manual_seed(seed)
+    params = sx.init_params(model, mesh, rules)
+    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    opt_state = opt.init(params)
+    size, index = mesh.size("sp"), mesh.axis_index("sp")
+
+    def loss_fn(params, batch):
+        logits = sx.apply(model, params, batch["x"], rules=rules)  # this rank's positions
+        return _loss(logits, batch["y"].chunk(size, dim=1)[index])
+
+    grad_fn = sx.value_and_grad(loss_fn)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal params, opt_state
+        loss, grads = grad_fn(params, {"x": x, "y": y})
+        updates, opt_state = opt.update(grads, opt_state, params)
+        del grads
+        params = sx.optim.apply_updates(params, updates, donate=True)
+        return loss.detach()
+
+    return step
+
+
 def megatron_check(traffic: Any, cfg: GPTConfig, tokens: int, world: int, sp: bool) -> dict:
     """One step's activation collectives over ``tp`` (buffers of ``b·s·h``
     elements) against Megatron's count and bytes."""
@@ -268,6 +301,8 @@ def setup(mode: str, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
         return setup_deepspeed(int(mode[-1]), cfg, seed, micro_batch)
     if mode in ("shardax-tp", "shardax-tp-sp"):
         return setup_tensor_parallel(cfg, seed, sequence_parallel=mode.endswith("-sp"))
+    if mode == "shardax-ulysses":
+        return setup_ulysses(cfg, seed)
     if mode.startswith("shardax"):
         return setup_shardax(int(mode[-1]), cfg, seed)
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(ALL_MODES)}")
@@ -364,13 +399,14 @@ def worker(args: argparse.Namespace) -> int:
     cfg = config_from(args)
     tokens = load_tokens(Path(args.data), cfg.vocab_size)
     tensor_parallel = mode in ("shardax-tp", "shardax-tp-sp")
+    shared = tensor_parallel or mode == "shardax-ulysses"  # the ranks split one batch's model work
     batch_at = partial(
         batch,
         tokens,
         seed=args.seed,
         seq_len=cfg.seq_len,
         micro_batch=args.micro,
-        shared=tensor_parallel,
+        shared=shared,
     )
     started = time.perf_counter()
     step = setup(mode, cfg, args.seed, args.micro)
@@ -547,7 +583,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.preset, args.steps, args.repeats, args.nproc = "tiny", 2, 1, 2
         if args.modes is None:
-            args.modes = "ddp,fsdp2,shardax0,shardax1,shardax2,shardax3,shardax-tp,shardax-tp-sp"
+            args.modes = "ddp,fsdp2,shardax0,shardax1,shardax2,shardax3,shardax-tp,shardax-tp-sp,shardax-ulysses"
     if args.micro is None:
         args.micro = MICRO_BATCH[args.preset]
     if args.threads is None:

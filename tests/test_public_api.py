@@ -142,6 +142,7 @@ SURFACE = {
         "ShardOver",
         "TransformerNames",
         "megatron",
+        "ulysses",
         "zero",
     ],
     "shardax.optim": [

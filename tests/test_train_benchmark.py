@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_MODES = {"ddp", "fsdp2", "shardax0", "shardax1", "shardax2", "shardax3"}
-SMOKE_MODES |= {"shardax-tp", "shardax-tp-sp"}
+SMOKE_MODES |= {"shardax-tp", "shardax-tp-sp", "shardax-ulysses"}
 
 
 def test_gpt_docstring_examples():
@@ -56,6 +56,8 @@ def test_train_benchmark_smoke(tmp_path):
                 assert "psum over tp" in ops and "all_gather over tp" not in ops
             else:
                 assert "all_gather over tp" in ops and "psum_scatter over tp" in ops
+        if r["mode"] == "shardax-ulysses":
+            assert "all_to_all over sp" in r["comm_per_step"]
     stats = summary["summary"]
     assert set(stats) == set(header["modes"])
     assert "warning" not in summary, summary["warning"]
