@@ -28,6 +28,7 @@ from .shard._tensor_parallel import vocab_parallel_embedding
 
 __all__ = [
     "GPT_NAMES",
+    "LLAMA_NAMES",
     "ModuleRule",
     "Relayout",
     "Rule",
@@ -117,6 +118,18 @@ GPT_NAMES = TransformerNames(
     attention_out=r"blocks\.\d+\.attn\.proj",
 )
 """The module names of the example GPT (``examples/gpt.py``, GPT-2's)."""
+
+LLAMA_NAMES = TransformerNames(
+    column=r"model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)",
+    row=r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)",
+    vocab=r"model\.embed_tokens",
+    head=r"lm_head",
+)
+"""Hugging Face ``transformers``' ``LlamaForCausalLM`` (and the models that
+share its layout: Mistral, Qwen2): q/k/v, gate and up column-parallel, o and
+down row-parallel. Key/value heads split too, so ``num_key_value_heads``
+must divide by the ``tp`` size. For ``rules.megatron`` without sequence
+parallelism (its attention reads the sequence length from its input)."""
 
 
 def megatron(

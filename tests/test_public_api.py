@@ -135,6 +135,7 @@ SURFACE = {
     ],
     "shardax.rules": [
         "GPT_NAMES",
+        "LLAMA_NAMES",
         "ModuleRule",
         "Relayout",
         "Rule",
