@@ -200,6 +200,33 @@ class Rules:
         """The paths no rule matches."""
         return [p for p in paths if self.match(p) is None]
 
+    def replicated(
+        self, tree: Any, mesh: AbstractMesh, axis: str | None = None, role: str = "compute"
+    ) -> list[tuple[str, tuple[int, ...], int]]:
+        """The tensors of ``tree`` (meta tensors do) that these rules leave
+        whole over ``axis`` (over every axis when None) in ``role`` —
+        ``(path, shape, bytes)``, largest first: the check that a
+        parallelism preset's names reached every large weight.
+
+        >>> import torch, shardax as sx
+        >>> tree = {"fc.weight": torch.empty(64, 16, device="meta"), "norm.weight": torch.empty(16, device="meta")}
+        >>> sx.Rules(sx.Rule("fc.weight", sx.P("tp"))).replicated(tree, sx.AbstractMesh({"tp": 2}), "tp")
+        [('norm.weight', (16,), 64)]
+        """
+        from .._tree import flatten_with_paths
+
+        paths, leaves, _ = flatten_with_paths(tree)
+        out = []
+        for path, x in zip(paths, leaves, strict=True):
+            shape = tuple(getattr(x, "shape", ()))
+            if not hasattr(x, "dtype") or not shape:
+                continue
+            used = set(self.spec_for(path, shape, mesh, role).axes)
+            if (axis in used) if axis is not None else used:
+                continue
+            out.append((path, shape, math.prod(shape) * x.dtype.itemsize))
+        return sorted(out, key=lambda r: -r[2])
+
     def __repr__(self) -> str:
         flags = (", strict=True" if self.strict else "") + (
             ", divisible=True" if self.divisible else ""

@@ -263,3 +263,36 @@ def test_ulysses_gpt_matches_pytorch(shape, stage):
         for k, v in ref_params.items():
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5, msg=k)
         assert "all_to_all over sp" in ops, ops
+
+
+def test_rules_name_what_they_leave_replicated():
+    """The check a user runs on new names: every large weight of the GPT is
+    split over tp by rules.megatron; what stays whole is small."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    params = sx.params_of(model)
+    mesh = sx.AbstractMesh({"tp": 2})
+    whole = sx.rules.megatron("tp").replicated(params, mesh, "tp")
+    assert {p for p, _, _ in whole} == {
+        "wpe.weight",
+        *(
+            f"blocks.{i}.{n}"
+            for i in range(2)
+            for n in (
+                "ln_1.weight",
+                "ln_1.bias",
+                "ln_2.weight",
+                "ln_2.bias",
+                "attn.proj.bias",
+                "mlp.proj.bias",
+            )
+        ),
+        "ln_f.weight",
+        "ln_f.bias",
+    }
+    missed = sx.rules.megatron(
+        "tp", names=sx.rules.TransformerNames(column="nothing", row="nothing")
+    )
+    whole = missed.replicated(params, mesh, "tp")
+    assert whole[0] == ("blocks.0.mlp.fc.weight", (64, 16), 64 * 16 * 4)  # largest first
+    assert ("wte.weight", (CFG.vocab_size, CFG.d_model), CFG.vocab_size * CFG.d_model * 4) in whole
