@@ -42,6 +42,7 @@ from .shard import apply as apply
 from .shard import explain as explain
 from .shard import gather as gather
 from .shard import init_params as init_params
+from .shard import manual_seed as manual_seed
 from .shard import params_of as params_of
 from .shard import plan_transfer as plan_transfer
 from .shard import reshard as reshard
@@ -79,6 +80,7 @@ __all__ = [
     "gather",
     "init",
     "init_params",
+    "manual_seed",
     "optim",
     "params_of",
     "plan_transfer",

@@ -89,10 +89,11 @@ class TransformerNames:
     sequence under sequence parallelism); ``attention_in`` — the
     projections whose outputs feed attention (a head-major fused qkv, or
     q/k/v) and ``attention_out`` — the projection after it, for Ulysses'
-    all-to-alls.
+    all-to-alls; ``regions`` — the modules that run split over ``tp``
+    inside (attention, MLP), whose dropout draws differ per ``tp`` rank.
 
     >>> TransformerNames(column=r"layers\\.\\d+\\.fc1", row=r"layers\\.\\d+\\.fc2")
-    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None)
+    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None)
     """
 
     column: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
@@ -106,6 +107,7 @@ class TransformerNames:
     attention_out: str | None = attrs.field(
         default=None, validator=lambda _, a, v: _regex(a.name, v)
     )
+    regions: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
 
 
 GPT_NAMES = TransformerNames(
@@ -116,6 +118,7 @@ GPT_NAMES = TransformerNames(
     positions=r"wpe",
     attention_in=r"blocks\.\d+\.attn\.qkv",
     attention_out=r"blocks\.\d+\.attn\.proj",
+    regions=r"blocks\.\d+\.(attn|mlp)",
 )
 """The module names of the example GPT (``examples/gpt.py``, GPT-2's)."""
 
@@ -124,6 +127,7 @@ LLAMA_NAMES = TransformerNames(
     row=r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)",
     vocab=r"model\.embed_tokens",
     head=r"lm_head",
+    regions=r"model\.layers\.\d+\.(self_attn|mlp)",
 )
 """Hugging Face ``transformers``' ``LlamaForCausalLM`` (and the models that
 share its layout: Mistral, Qwen2): q/k/v, gate and up column-parallel, o and
@@ -148,7 +152,10 @@ def megatron(
     head            ``P(tp, None)``     —               split on vocabulary
     ==============  ==================  ==============  ====================
 
-    Everything else (norms, position embeddings) stays replicated. Two
+    Everything else (norms, position embeddings) stays replicated. Dropout
+    inside the ``regions`` (attention, MLP) draws differently on each ``tp``
+    rank, outside them identically (seed every rank alike, or with
+    :func:`shardax.manual_seed` varying over the data axes only). Two
     all-reduces per block forward (after attention and after the MLP) and
     their transposes in backward — Megatron's four. Attention must take its
     head count from the width it is given (``qkv`` laid out head-major, see
@@ -204,6 +211,8 @@ def megatron(
             entries.append(ModuleRule(names.head, inputs=gather))
     if names.positions is not None and sequence_parallel:
         entries.append(ModuleRule(names.positions, output=Relayout(P(), P(tp))))
+    if names.regions is not None:
+        entries.append(ModuleRule(names.regions, rng=tp))
     return Rules(*entries, divisible=True)
 
 

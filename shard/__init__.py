@@ -30,6 +30,7 @@ from ._placement import role_layout as role_layout
 from ._plan import Plan as Plan
 from ._plan import Step as Step
 from ._plan import plan_transfer as plan_transfer
+from ._random import manual_seed as manual_seed
 from ._rules import Rule as Rule
 from ._rules import Rules as Rules
 from ._sharded import Sharded as Sharded
@@ -60,6 +61,7 @@ __all__ = [
     "gather",
     "init_params",
     "layouts_for",
+    "manual_seed",
     "params_of",
     "plan_transfer",
     "reshard",

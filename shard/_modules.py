@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
+from ._random import fork_hooks
 from ._sharded import Sharded
 from ._spec import PartitionSpec, as_spec
 
@@ -95,7 +96,11 @@ class ModuleRule:
     matches the regex ``pattern``: relayout the positional ``inputs`` (one
     :class:`Relayout` or None per argument) before the module runs and its
     ``output`` after, or run ``forward(module, mesh, *args, **kwargs)``
-    instead of the module's own forward. The first matching module rule wins.
+    instead of the module's own forward; with ``rng=axes``, the module draws
+    random numbers (dropout) from a stream of its own for each index along
+    ``axes`` — the regions a tensor-parallel axis splits — and the shared
+    stream continues the same on every rank after it. The first matching
+    module rule wins.
 
     >>> from shardax import P
     >>> ModuleRule(r"blocks\\.\\d+\\.mlp\\.proj", output=Relayout(P(), P(), partial="tp"))
@@ -108,6 +113,7 @@ class ModuleRule:
     )
     output: Relayout | None = attrs.field(default=None, kw_only=True)
     forward: Forward | None = attrs.field(default=None, kw_only=True)
+    rng: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
 
     @_regex.default
@@ -140,6 +146,8 @@ class ModuleRule:
             parts.append(f"output={self.output!r}")
         if self.forward is not None:
             parts.append(f"forward={getattr(self.forward, '__name__', self.forward)!s}")
+        if self.rng:
+            parts.append(f"rng={self.rng!r}")
         return f"ModuleRule({', '.join(parts)})"
 
 
@@ -166,6 +174,10 @@ def install(
             undo.append(module.register_forward_hook(_output(rule, mesh, path)).remove)
         if rule.forward is not None:
             undo.append(_override(module, rule.forward, mesh))
+        if rule.rng:
+            pre, post = fork_hooks(mesh, rule.rng)
+            undo.append(module.register_forward_pre_hook(pre, prepend=True).remove)
+            undo.append(module.register_forward_hook(post, always_call=True).remove)
 
     def remove() -> None:
         for u in reversed(undo):
