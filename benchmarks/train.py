@@ -181,11 +181,11 @@ def setup_deepspeed(stage: int, cfg: GPTConfig, seed: int, micro_batch: int) -> 
     return step
 
 
-def setup_shardax(stage: int, cfg: GPTConfig, seed: int) -> Step:
-    """shardax ZeRO ``stage`` (0–3): ``rules.zero``, ``init_params`` from a meta model,
-    ``value_and_grad``, ``optim.adamw``."""
-    mesh = sx.Mesh({"dp": -1})
-    rules = sx.rules.zero(stage, axis="dp")
+def _shardax_step(
+    cfg: GPTConfig, seed: int, mesh: sx.Mesh, rules: sx.Rules, loss: Callable[..., torch.Tensor]
+) -> Step:
+    """The shardax train step: ``init_params`` from a meta model under
+    ``rules``, ``value_and_grad`` of ``loss(logits, y)``, ``optim.adamw``."""
     with torch.device("meta"):
         model = GPT(cfg)
     torch.manual_seed(seed)
@@ -194,76 +194,47 @@ def setup_shardax(stage: int, cfg: GPTConfig, seed: int) -> Step:
     opt_state = opt.init(params)
 
     def loss_fn(params, batch):
-        return _loss(sx.apply(model, params, batch["x"]), batch["y"])
+        return loss(sx.apply(model, params, batch["x"], rules=rules), batch["y"])
 
     grad_fn = sx.value_and_grad(loss_fn)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         nonlocal params, opt_state
-        loss, grads = grad_fn(params, {"x": x, "y": y})
+        value, grads = grad_fn(params, {"x": x, "y": y})
         updates, opt_state = opt.update(grads, opt_state, params)
         del grads  # no longer needed: let the step hold one gradient copy, not two
         params = sx.optim.apply_updates(params, updates, donate=True)
-        return loss.detach()
+        return value.detach()
 
     return step
+
+
+def setup_shardax(stage: int, cfg: GPTConfig, seed: int) -> Step:
+    """shardax ZeRO ``stage`` (0–3): ``rules.zero``, ``init_params`` from a meta model,
+    ``value_and_grad``, ``optim.adamw``."""
+    return _shardax_step(cfg, seed, sx.Mesh({"dp": -1}), sx.rules.zero(stage, axis="dp"), _loss)
 
 
 def setup_tensor_parallel(cfg: GPTConfig, seed: int, sequence_parallel: bool) -> Step:
     """shardax ``rules.megatron`` over all ranks (``tp``), the vocab-parallel loss."""
     mesh = sx.Mesh({"tp": -1})
     rules = sx.rules.megatron("tp", sequence_parallel=sequence_parallel)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    torch.manual_seed(seed)
-    params = sx.init_params(model, mesh, rules)
-    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-    opt_state = opt.init(params)
 
-    def loss_fn(params, batch):
-        logits = sx.apply(model, params, batch["x"], rules=rules)
-        return sx.vocab_parallel_cross_entropy(logits, batch["y"], "tp", mesh=mesh)
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
 
-    grad_fn = sx.value_and_grad(loss_fn)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        nonlocal params, opt_state
-        loss, grads = grad_fn(params, {"x": x, "y": y})
-        updates, opt_state = opt.update(grads, opt_state, params)
-        del grads
-        params = sx.optim.apply_updates(params, updates, donate=True)
-        return loss.detach()
-
-    return step
+    return _shardax_step(cfg, seed, mesh, rules, loss)
 
 
 def setup_ulysses(cfg: GPTConfig, seed: int) -> Step:
-    """shardax ``rules.ulysses`` over all ranks (``sp``)."""
+    """shardax ``rules.ulysses`` over all ranks (``sp``): each rank's loss on its positions."""
     mesh = sx.Mesh({"sp": -1})
-    rules = sx.rules.ulysses("sp")
-    with torch.device("meta"):
-        model = GPT(cfg)
-    torch.manual_seed(seed)
-    params = sx.init_params(model, mesh, rules)
-    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-    opt_state = opt.init(params)
     size, index = mesh.size("sp"), mesh.axis_index("sp")
 
-    def loss_fn(params, batch):
-        logits = sx.apply(model, params, batch["x"], rules=rules)  # this rank's positions
-        return _loss(logits, batch["y"].chunk(size, dim=1)[index])
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _loss(logits, y.chunk(size, dim=1)[index])
 
-    grad_fn = sx.value_and_grad(loss_fn)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        nonlocal params, opt_state
-        loss, grads = grad_fn(params, {"x": x, "y": y})
-        updates, opt_state = opt.update(grads, opt_state, params)
-        del grads
-        params = sx.optim.apply_updates(params, updates, donate=True)
-        return loss.detach()
-
-    return step
+    return _shardax_step(cfg, seed, mesh, sx.rules.ulysses("sp"), loss)
 
 
 def megatron_check(traffic: Any, cfg: GPTConfig, tokens: int, world: int, sp: bool) -> dict:

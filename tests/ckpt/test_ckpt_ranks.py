@@ -25,6 +25,26 @@ SPECS_2X2 = {
 }
 
 
+TARGETS = [  # (world size, mesh, specs) to load a 2×2 save into: every leaf moves
+    (
+        2,
+        {"x": 2},
+        {"w": sx.P(None, "x"), "z3": sx.P("x"), "tp": sx.P("x"), "rep": sx.P("x"), "bf": sx.P()},
+    ),
+    (
+        4,
+        {"a": 2, "b": 2},
+        {
+            "w": sx.P("b", "a"),
+            "z3": sx.P(("b", "a")),
+            "tp": sx.P(("a", "b")),
+            "rep": sx.P("b"),
+            "bf": sx.P(None, ("a", "b")),
+        },
+    ),
+]
+
+
 def full() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return {
@@ -58,28 +78,7 @@ def load_gathered(path: str, shape: dict[str, int], specs: dict[str, sx.P]) -> d
     ("world", "shape", "specs"),
     [
         (1, {"x": 1}, dict.fromkeys(SPECS_2X2, sx.P("x"))),
-        (
-            2,
-            {"x": 2},
-            {
-                "w": sx.P(None, "x"),
-                "z3": sx.P("x"),
-                "tp": sx.P("x"),
-                "rep": sx.P("x"),
-                "bf": sx.P(),
-            },
-        ),
-        (
-            4,
-            {"a": 2, "b": 2},
-            {
-                "w": sx.P("b", "a"),
-                "z3": sx.P(("b", "a")),
-                "tp": sx.P(("a", "b")),
-                "rep": sx.P("b"),
-                "bf": sx.P(None, ("a", "b")),
-            },
-        ),
+        *TARGETS,
         (4, {"x": 4}, dict.fromkeys(SPECS_2X2, sx.P("x"))),
     ],
 )
@@ -106,31 +105,7 @@ def _spec_json(spec: sx.P) -> list:
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
     ("world", "shape", "specs"),
-    [
-        (1, {"x": 1}, dict.fromkeys(SPECS_2X2, sx.P())),
-        (
-            2,
-            {"x": 2},
-            {
-                "w": sx.P(None, "x"),
-                "z3": sx.P("x"),
-                "tp": sx.P("x"),
-                "rep": sx.P("x"),
-                "bf": sx.P(),
-            },
-        ),
-        (
-            4,
-            {"a": 2, "b": 2},
-            {
-                "w": sx.P("b", "a"),
-                "z3": sx.P(("b", "a")),
-                "tp": sx.P(("a", "b")),
-                "rep": sx.P("b"),
-                "bf": sx.P(None, ("a", "b")),
-            },
-        ),
-    ],
+    [(1, {"x": 1}, dict.fromkeys(SPECS_2X2, sx.P())), *TARGETS],
 )
 def test_offline_reshard_of_a_2x2_save_loads_bit_identical(tmp_path, world, shape, specs):
     """``shardax ckpt reshard`` (no process group) to the target mesh and

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
+from _parity import adamw_steps
 
 import shardax as sx
 
@@ -64,23 +65,13 @@ def train_llama(shape: dict[str, int], stage: int) -> tuple[list[float], dict, d
     trainable = dict(model.named_parameters())
     params = {k: v for k, v in state.items() if k in trainable}
     buffers = {k: v for k, v in state.items() if k not in trainable}  # rotary frequencies
-    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-    opt_state = opt.init(params)
-    n = mesh.size("dp") if "dp" in shape else 1
-    i = mesh.axis_index("dp") if "dp" in shape else 0
 
     def loss_fn(p, x, y):
         logits = sx.apply(model, {**p, **buffers}, x, rules=rules).logits  # vocabulary piece
         return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
 
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        local = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        loss, grads = sx.value_and_grad(loss_fn)(params, x[local], y[local])
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = sx.optim.apply_updates(params, updates)
-        losses.append(loss.item())
+    batches = [batch(step) for step in range(STEPS)]
+    losses, params, _ = adamw_steps(params, loss_fn, batches, mesh, (LR, BETAS, EPS, WD))
     return losses, sx.gather(params), {k: v.spec for k, v in params.items()}
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
+from _parity import adamw_steps
 
 import shardax as sx
 
@@ -49,32 +50,26 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in sx.params_of(model).items()}
 
 
+def gpt_params(mesh: sx.Mesh, rules: sx.Rules) -> tuple[GPT, dict]:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    torch.manual_seed(0)
+    return model, sx.init_params(model, mesh, rules)
+
+
 def train_tp(shape: dict[str, int], stage: int, sp: bool = False) -> tuple[list[float], dict, dict]:
     mesh = sx.Mesh(shape)
     rules = sx.rules.megatron("tp", sequence_parallel=sp)
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
-    with torch.device("meta"):
-        model = GPT(CFG)
-    torch.manual_seed(0)
-    params = sx.init_params(model, mesh, rules)
-    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-    opt_state = opt.init(params)
-    n = mesh.size("dp") if "dp" in shape else 1
-    i = mesh.axis_index("dp") if "dp" in shape else 0
+    model, params = gpt_params(mesh, rules)
 
     def loss_fn(p, x, y):
         logits = sx.apply(model, p, x, rules=rules)  # this rank's vocabulary piece
         return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
 
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        local = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        loss, grads = sx.value_and_grad(loss_fn)(params, x[local], y[local])
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = sx.optim.apply_updates(params, updates)
-        losses.append(loss.item())
+    batches = [batch(step) for step in range(STEPS)]
+    losses, params, _ = adamw_steps(params, loss_fn, batches, mesh, (LR, BETAS, EPS, WD))
     specs = {k: v.spec for k, v in params.items()}
     return losses, sx.gather(params), specs
 
@@ -221,14 +216,7 @@ def train_ulysses(shape: dict[str, int], stage: int) -> tuple[list[float], dict,
     rules = sx.rules.ulysses("sp")
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
-    with torch.device("meta"):
-        model = GPT(CFG)
-    torch.manual_seed(0)
-    params = sx.init_params(model, mesh, rules)
-    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-    opt_state = opt.init(params)
-    n = mesh.size("dp") if "dp" in shape else 1
-    i = mesh.axis_index("dp") if "dp" in shape else 0
+    model, params = gpt_params(mesh, rules)
     sp, j = mesh.size("sp"), mesh.axis_index("sp")
 
     def loss_fn(p, x, y):
@@ -236,17 +224,9 @@ def train_ulysses(shape: dict[str, int], stage: int) -> tuple[list[float], dict,
         mine = y.chunk(sp, dim=1)[j]
         return F.cross_entropy(logits.flatten(0, 1), mine.flatten())
 
-    losses, ops = [], set()
-    for step in range(STEPS):
-        x, y = batch(step)
-        local = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        with sx.collectives.traffic() as t:
-            loss, grads = sx.value_and_grad(loss_fn)(params, x[local], y[local])
-        ops |= set(t.summary())
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = sx.optim.apply_updates(params, updates)
-        losses.append(loss.item())
-    return losses, sx.gather(params), sorted(ops)
+    batches = [batch(step) for step in range(STEPS)]
+    losses, params, ops = adamw_steps(params, loss_fn, batches, mesh, (LR, BETAS, EPS, WD))
+    return losses, sx.gather(params), ops
 
 
 @pytest.mark.world_size(4)
