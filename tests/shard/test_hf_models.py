@@ -1,7 +1,7 @@
 """``rules.megatron`` on Hugging Face ``transformers`` models, built from
 their config classes (random init, nothing downloaded): 5 AdamW steps of a
 tiny ``LlamaForCausalLM`` (grouped-query attention, rotary positions,
-untied head) on tp=2 and dp=2 × tp=2 with ZeRO-3 match the single-process
+untied head) on tp=2 and dp=2 × tp=2 with ZeRO-1 and ZeRO-3 match the single-process
 PyTorch run."""
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def train_llama(shape: dict[str, int], stage: int) -> tuple[list[float], dict, d
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
-    ("shape", "stage"), [({"tp": 2}, 0), ({"dp": 2, "tp": 2}, 3)], ids=["tp2", "dp2xtp2-zero3"]
+    ("shape", "stage"),
+    [({"tp": 2}, 0), ({"dp": 2, "tp": 2}, 1), ({"dp": 2, "tp": 2}, 3)],
+    ids=["tp2", "dp2xtp2-zero1", "dp2xtp2-zero3"],
 )
 def test_megatron_llama_matches_pytorch(shape, stage):
     ref_losses, ref_params = reference()
