@@ -132,8 +132,11 @@ LLAMA_NAMES = TransformerNames(
 """Hugging Face ``transformers``' ``LlamaForCausalLM`` (and the models that
 share its layout: Mistral, Qwen2): q/k/v, gate and up column-parallel, o and
 down row-parallel. Key/value heads split too, so ``num_key_value_heads``
-must divide by the ``tp`` size. For ``rules.megatron`` without sequence
-parallelism (its attention reads the sequence length from its input)."""
+must divide by the ``tp`` size. With ``sequence_parallel=True`` the
+sequence is gathered where attention and the MLP start (``regions``); pass
+the whole sequence's ``position_ids`` and ``cache_position`` to the model,
+since it would otherwise number only this rank's piece of the sequence.
+Not for ``rules.ulysses`` (its attention reshapes by its input's length)."""
 
 
 def megatron(
@@ -167,7 +170,8 @@ def megatron(
     Recomputation in Large Transformer Models"): between the tensor-parallel
     regions — norms, residual adds, dropout — activations ``[B, T, d]`` are
     split over ``tp`` on the sequence, so each rank holds ``1/tp`` of them:
-    a column-parallel input is all-gathered over the sequence, a row-parallel
+    the input of each region (attention, MLP; without ``regions`` names, of
+    each column-parallel linear) is all-gathered over the sequence, a row-parallel
     (or embedding) output reduce-scattered onto it instead of all-reduced —
     the same bytes on the wire, a fraction of the activation memory. The
     position embedding's output is split to match, and the head gathers the
@@ -187,6 +191,10 @@ def megatron(
     seq = P(None, tp)  # [B, T, d] split on the sequence
     between = seq if sequence_parallel else P()  # activations outside the tp regions
     gather = [Relayout(seq, P())] if sequence_parallel else []
+    # With sequence parallelism the sequence is gathered where a region (attention,
+    # MLP) starts — it may read the sequence length before its first linear — or,
+    # without region names, at each column-parallel linear.
+    gather_at_regions = bool(gather) and names.regions is not None
     entries: list[Rule | ModuleRule] = [
         Rule(rf"({col})\.weight", P(tp, None)),
         Rule(rf"({col})\.bias", P(tp)),
@@ -194,7 +202,7 @@ def megatron(
         Rule(rf"({row})\.bias", P(), partial=tp),
         ModuleRule(row, output=Relayout(P(), between, partial=tp)),
     ]
-    if gather:
+    if gather and not gather_at_regions:
         entries.append(ModuleRule(col, inputs=gather))
     if names.vocab is not None:
         entries.append(Rule(rf"({names.vocab})\.weight", P(tp, None)))
@@ -212,7 +220,9 @@ def megatron(
     if names.positions is not None and sequence_parallel:
         entries.append(ModuleRule(names.positions, output=Relayout(P(), P(tp))))
     if names.regions is not None:
-        entries.append(ModuleRule(names.regions, rng=tp))
+        entries.append(
+            ModuleRule(names.regions, rng=tp, inputs=gather if gather_at_regions else ())
+        )
     return Rules(*entries, divisible=True)
 
 

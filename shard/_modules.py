@@ -14,6 +14,7 @@ sequence parallelism, split over the sequence (a ``psum_scatter``).
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -169,7 +170,8 @@ def install(
                 "run on the parameters' mesh (shard them with shardax.shard or init_params)"
             )
         if rule.inputs:
-            undo.append(module.register_forward_pre_hook(_inputs(rule, mesh, path)).remove)
+            hook = _inputs(rule, mesh, path, module)
+            undo.append(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
         if rule.output is not None:
             undo.append(module.register_forward_hook(_output(rule, mesh, path)).remove)
         if rule.forward is not None:
@@ -186,13 +188,32 @@ def install(
     return remove
 
 
-def _inputs(rule: ModuleRule, mesh: AbstractMesh, path: str) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        moved = list(args)
-        for i, r in enumerate(rule.inputs[: len(args)]):
-            if r is not None:
-                moved[i] = r(args[i], mesh, f"{path} input {i}")
-        return tuple(moved)
+def _parameter_names(module: nn.Module) -> list[str]:
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _inputs(rule: ModuleRule, mesh: AbstractMesh, path: str, module: nn.Module) -> Any:
+    """A pre-hook moving the forward's ``i``-th argument by ``rule.inputs[i]``,
+    passed positionally or by keyword (Hugging Face modules call their
+    submodules with keywords)."""
+    names = _parameter_names(module)
+
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        moved, named = list(args), dict(kwargs)
+        for i, r in enumerate(rule.inputs):
+            if r is None:
+                continue
+            if i < len(moved):
+                moved[i] = r(moved[i], mesh, f"{path} input {i}")
+            elif i < len(names) and names[i] in named:
+                named[names[i]] = r(named[names[i]], mesh, f"{path} input {names[i]!r}")
+        return tuple(moved), named
 
     return hook
 

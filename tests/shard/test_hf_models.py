@@ -1,8 +1,8 @@
 """``rules.megatron`` on Hugging Face ``transformers`` models, built from
 their config classes (random init, nothing downloaded): 5 AdamW steps of a
 tiny ``LlamaForCausalLM`` (grouped-query attention, rotary positions,
-untied head) on tp=2 and dp=2 × tp=2 with ZeRO-1 and ZeRO-3 match the single-process
-PyTorch run."""
+untied head) on tp=2 and dp=2 × tp=2 with ZeRO-1 and ZeRO-3, and with
+Megatron sequence parallelism, match the single-process PyTorch run."""
 
 from __future__ import annotations
 
@@ -55,9 +55,11 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def train_llama(shape: dict[str, int], stage: int) -> tuple[list[float], dict, dict]:
+def train_llama(
+    shape: dict[str, int], stage: int, sp: bool = False
+) -> tuple[list[float], dict, dict]:
     mesh = sx.Mesh(shape)
-    rules = sx.rules.megatron("tp", names=sx.rules.LLAMA_NAMES)
+    rules = sx.rules.megatron("tp", sequence_parallel=sp, names=sx.rules.LLAMA_NAMES)
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
     model = llama()  # tiny: every rank builds it, then keeps its shards
@@ -67,7 +69,16 @@ def train_llama(shape: dict[str, int], stage: int) -> tuple[list[float], dict, d
     buffers = {k: v for k, v in state.items() if k not in trainable}  # rotary frequencies
 
     def loss_fn(p, x, y):
-        logits = sx.apply(model, {**p, **buffers}, x, rules=rules).logits  # vocabulary piece
+        positions = torch.arange(x.shape[1])  # the whole sequence's, also where it is split
+        out = sx.apply(
+            model,
+            {**p, **buffers},
+            x,
+            position_ids=positions.expand(x.shape[0], -1),
+            cache_position=positions,
+            rules=rules,
+        )
+        logits = out.logits  # this rank's vocabulary piece
         return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
 
     batches = [batch(step) for step in range(STEPS)]
@@ -77,14 +88,20 @@ def train_llama(shape: dict[str, int], stage: int) -> tuple[list[float], dict, d
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
-    ("shape", "stage"),
-    [({"tp": 2}, 0), ({"dp": 2, "tp": 2}, 1), ({"dp": 2, "tp": 2}, 3)],
-    ids=["tp2", "dp2xtp2-zero1", "dp2xtp2-zero3"],
+    ("shape", "stage", "sp"),
+    [
+        ({"tp": 2}, 0, False),
+        ({"dp": 2, "tp": 2}, 1, False),
+        ({"dp": 2, "tp": 2}, 3, False),
+        ({"tp": 2}, 0, True),
+        ({"dp": 2, "tp": 2}, 3, True),
+    ],
+    ids=["tp2", "dp2xtp2-zero1", "dp2xtp2-zero3", "tp2-sp", "dp2xtp2-zero3-sp"],
 )
-def test_megatron_llama_matches_pytorch(shape, stage):
+def test_megatron_llama_matches_pytorch(shape, stage, sp):
     ref_losses, ref_params = reference()
     world = 2 if "dp" not in shape else 4
-    for losses, params, specs in run_ranks(train_llama, shape, stage, world_size=world):
+    for losses, params, specs in run_ranks(train_llama, shape, stage, sp, world_size=world):
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
         for k, v in ref_params.items():
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5, msg=k)
