@@ -48,6 +48,7 @@ from .shard import plan_transfer as plan_transfer
 from .shard import reshard as reshard
 from .shard import shard as shard
 from .shard import transfer as transfer
+from .shard import ulysses_attention as ulysses_attention
 from .shard import value_and_grad as value_and_grad
 from .shard import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .shard import vocab_parallel_embedding as vocab_parallel_embedding
@@ -89,6 +90,7 @@ __all__ = [
     "shard",
     "shutdown",
     "transfer",
+    "ulysses_attention",
     "value_and_grad",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",

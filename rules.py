@@ -24,7 +24,7 @@ from .shard._placement import ShardOver as ShardOver
 from .shard._rules import Rule as Rule
 from .shard._rules import Rules as Rules
 from .shard._spec import P
-from .shard._tensor_parallel import vocab_parallel_embedding
+from .shard._tensor_parallel import ulysses_attention, vocab_parallel_embedding
 
 __all__ = [
     "GPT_NAMES",
@@ -90,10 +90,13 @@ class TransformerNames:
     projections whose outputs feed attention (a head-major fused qkv, or
     q/k/v) and ``attention_out`` — the projection after it, for Ulysses'
     all-to-alls; ``regions`` — the modules that run split over ``tp``
-    inside (attention, MLP), whose dropout draws differ per ``tp`` rank.
+    inside (attention, MLP), whose dropout draws differ per ``tp`` rank;
+    ``attention`` — Llama-family attention modules that Ulysses runs with
+    :func:`shardax.ulysses_attention` (when ``attention_in``/``out`` cannot
+    say it: their forward reshapes by the input's length).
 
     >>> TransformerNames(column=r"layers\\.\\d+\\.fc1", row=r"layers\\.\\d+\\.fc2")
-    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None)
+    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None, attention=None)
     """
 
     column: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
@@ -108,6 +111,7 @@ class TransformerNames:
         default=None, validator=lambda _, a, v: _regex(a.name, v)
     )
     regions: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
+    attention: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
 
 
 GPT_NAMES = TransformerNames(
@@ -128,6 +132,7 @@ LLAMA_NAMES = TransformerNames(
     vocab=r"model\.embed_tokens",
     head=r"lm_head",
     regions=r"model\.layers\.\d+\.(self_attn|mlp)",
+    attention=r"model\.layers\.\d+\.self_attn",
 )
 """Hugging Face ``transformers``' ``LlamaForCausalLM`` (and the models that
 share its layout: Mistral, Qwen2): q/k/v, gate and up column-parallel, o and
@@ -136,7 +141,8 @@ must divide by the ``tp`` size. With ``sequence_parallel=True`` the
 sequence is gathered where attention and the MLP start (``regions``); pass
 the whole sequence's ``position_ids`` and ``cache_position`` to the model,
 since it would otherwise number only this rank's piece of the sequence.
-Not for ``rules.ulysses`` (its attention reshapes by its input's length)."""
+``rules.ulysses`` runs its attention with :func:`shardax.ulysses_attention`
+(same positions needed)."""
 
 
 def megatron(
@@ -260,10 +266,12 @@ def ulysses(sp: str = "sp", *, names: TransformerNames = GPT_NAMES) -> Rules:
     """
     if not isinstance(names, TransformerNames):
         raise ShardingError(f"names is a TransformerNames; got {names!r}")
-    if names.attention_in is None or names.attention_out is None:
+    relayouts = names.attention_in is not None and names.attention_out is not None
+    if not relayouts and names.attention is None:
         raise ShardingError(
             "rules.ulysses needs names.attention_in and names.attention_out (the projections "
-            "around attention): the all-to-alls go there"
+            "around attention: the all-to-alls go there), or names.attention (Llama-family "
+            "modules, run by shardax.ulysses_attention)"
         )
     seq = P(None, sp)
     entries: list[ModuleRule] = []
@@ -271,8 +279,11 @@ def ulysses(sp: str = "sp", *, names: TransformerNames = GPT_NAMES) -> Rules:
         entries.append(ModuleRule(names.vocab, output=Relayout(P(), seq)))
     if names.positions is not None:
         entries.append(ModuleRule(names.positions, output=Relayout(P(), P(sp))))
-    entries += [
-        ModuleRule(names.attention_in, output=Relayout(seq, P(None, None, sp))),
-        ModuleRule(names.attention_out, inputs=[Relayout(P(None, None, sp), seq)]),
-    ]
+    if relayouts:
+        entries += [
+            ModuleRule(names.attention_in, output=Relayout(seq, P(None, None, sp))),
+            ModuleRule(names.attention_out, inputs=[Relayout(P(None, None, sp), seq)]),
+        ]
+    else:
+        entries.append(ModuleRule(names.attention, forward=ulysses_attention(sp)))
     return Rules(*entries)

@@ -37,6 +37,7 @@ from ._sharded import Sharded as Sharded
 from ._spec import NamedSharding as NamedSharding
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
+from ._tensor_parallel import ulysses_attention as ulysses_attention
 from ._tensor_parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from ._tensor_parallel import vocab_parallel_embedding as vocab_parallel_embedding
 from ._transfer import transfer as transfer
@@ -68,6 +69,7 @@ __all__ = [
     "role_layout",
     "shard",
     "transfer",
+    "ulysses_attention",
     "value_and_grad",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",

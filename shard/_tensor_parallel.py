@@ -22,7 +22,7 @@ from ..mesh._mesh import AbstractMesh
 from ._layout import Layout
 from ._spec import P
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
+__all__ = ["ulysses_attention", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
 
 def _piece(n: int, axis: Axis, mesh: Any) -> tuple[int, int]:
@@ -114,3 +114,65 @@ def vocab_parallel_cross_entropy(
     per_token = sum_exp.log() - target
     keep = targets != ignore_index
     return (per_token * keep).sum() / keep.sum().clamp(min=1)
+
+
+def ulysses_attention(axis: Axis = "sp") -> Any:
+    """A ``forward`` for :class:`ModuleRule` that runs a Llama-family
+    attention module (``q_proj``/``k_proj``/``v_proj``/``o_proj``, rotary
+    positions, grouped key/value heads — Llama, Mistral, Qwen2 in Hugging
+    Face ``transformers``) under DeepSpeed-Ulysses: the projections of this
+    rank's piece of the sequence go through one all-to-all each to a head
+    split over ``axis``, attention runs causally over the whole sequence for
+    those heads, and one all-to-all brings the output back to the sequence
+    split before ``o_proj``. The rotary ``position_embeddings`` must cover
+    the whole sequence (pass the model ``position_ids`` for all of it).
+    ``rules.ulysses(names=rules.LLAMA_NAMES)`` installs it.
+
+    >>> import shardax as sx
+    >>> sx.rules.ulysses("sp", names=sx.rules.LLAMA_NAMES).modules[-1]
+    ModuleRule('model\\\\.layers\\\\.\\\\d+\\\\.self_attn', forward=ulysses_attention('sp'))
+    """
+    from ._modules import Relayout
+    from ._spec import P
+
+    to_heads = Relayout(P(None, axis), P(None, None, axis))
+    to_sequence = Relayout(P(None, None, axis), P(None, axis))
+
+    def forward(
+        module: nn.Module,
+        mesh: AbstractMesh,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        import sys
+
+        if attention_mask is not None and not kwargs.get("is_causal", True):
+            raise ShardingError("ulysses_attention runs causal attention only")
+        if position_embeddings is None:
+            raise ShardingError("ulysses_attention needs the rotary position_embeddings")
+        family = sys.modules[type(module).__module__]
+        b = hidden_states.shape[0]
+        hd = module.head_dim
+        q, k, v = (
+            to_heads(proj(hidden_states), mesh, "ulysses_attention")
+            for proj in (module.q_proj, module.k_proj, module.v_proj)
+        )
+        t = q.shape[1]
+        q, k, v = (x.view(b, t, -1, hd).transpose(1, 2) for x in (q, k, v))
+        cos, sin = position_embeddings
+        if cos.shape[-2] != t:
+            raise ShardingError(
+                f"ulysses_attention: rotary positions cover {cos.shape[-2]} tokens, the sequence "
+                f"has {t}; pass position_ids (and cache_position) for the whole sequence"
+            )
+        q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
+        groups = module.num_key_value_groups
+        k, v = family.repeat_kv(k, groups), family.repeat_kv(v, groups)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=module.scaling)
+        out = to_sequence(out.transpose(1, 2).reshape(b, t, -1), mesh, "ulysses_attention")
+        return module.o_proj(out), None
+
+    forward.__name__ = f"ulysses_attention({axis!r})"
+    return forward
