@@ -148,8 +148,12 @@ def ulysses_attention(axis: Axis = "sp") -> Any:
     ) -> tuple[torch.Tensor, None]:
         import sys
 
-        if attention_mask is not None and not kwargs.get("is_causal", True):
-            raise ShardingError("ulysses_attention runs causal attention only")
+        if attention_mask is not None:
+            raise ShardingError(
+                "ulysses_attention runs causal attention over whole sequences; the model passed "
+                f"an attention mask of shape {tuple(attention_mask.shape)} (padding): pack the "
+                "batch into full sequences, or leave Ulysses out for padded batches"
+            )
         if position_embeddings is None:
             raise ShardingError("ulysses_attention needs the rotary position_embeddings")
         family = sys.modules[type(module).__module__]

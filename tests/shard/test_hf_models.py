@@ -155,3 +155,24 @@ def test_ulysses_llama_matches_pytorch(shape, stage):
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
         for k, v in ref_params.items():
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_ulysses_attention_refuses_padding_masks():
+    model = llama()
+    mesh = sx.Mesh({"sp": 1})
+    rules = sx.rules.ulysses("sp", names=sx.rules.LLAMA_NAMES)
+    state = sx.shard(sx.params_of(model), mesh, rules)
+    x, _ = batch(0)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0  # left padding
+    positions = torch.arange(SEQ)
+    with pytest.raises(sx.ShardingError, match=r"attention mask of shape .* \(padding\)"):
+        sx.apply(
+            model,
+            state,
+            x,
+            attention_mask=mask,
+            position_ids=positions.expand(BATCH, -1),
+            cache_position=positions,
+            rules=rules,
+        )
