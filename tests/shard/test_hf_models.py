@@ -6,6 +6,8 @@ Megatron sequence parallelism, match the single-process PyTorch run."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,21 +57,19 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def train_llama(
-    shape: dict[str, int], stage: int, sp: bool = False
-) -> tuple[list[float], dict, dict]:
-    mesh = sx.Mesh(shape)
-    rules = sx.rules.megatron("tp", sequence_parallel=sp, names=sx.rules.LLAMA_NAMES)
-    if "dp" in shape:
-        rules = rules + sx.rules.zero(stage, "dp")
-    model = llama()  # tiny: every rank builds it, then keeps its shards
+def sharded_llama(mesh: sx.Mesh, rules: sx.Rules) -> tuple[Any, dict]:
+    """The tiny Llama's trainable parameters sharded by ``rules`` (every rank
+    builds it: it is tiny), and ``run(params, x) -> logits``: the model under
+    ``apply`` with its buffers (rotary frequencies) and the whole sequence's
+    positions, which sequence parallelism and Ulysses need."""
+    model = llama()
     state = sx.shard(sx.params_of(model), mesh, rules)
     trainable = dict(model.named_parameters())
     params = {k: v for k, v in state.items() if k in trainable}
-    buffers = {k: v for k, v in state.items() if k not in trainable}  # rotary frequencies
+    buffers = {k: v for k, v in state.items() if k not in trainable}
 
-    def loss_fn(p, x, y):
-        positions = torch.arange(x.shape[1])  # the whole sequence's, also where it is split
+    def run(p: dict, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1])
         out = sx.apply(
             model,
             {**p, **buffers},
@@ -78,7 +78,22 @@ def train_llama(
             cache_position=positions,
             rules=rules,
         )
-        logits = out.logits  # this rank's vocabulary piece
+        return out.logits
+
+    return run, params
+
+
+def train_llama(
+    shape: dict[str, int], stage: int, sp: bool = False
+) -> tuple[list[float], dict, dict]:
+    mesh = sx.Mesh(shape)
+    rules = sx.rules.megatron("tp", sequence_parallel=sp, names=sx.rules.LLAMA_NAMES)
+    if "dp" in shape:
+        rules = rules + sx.rules.zero(stage, "dp")
+    run, params = sharded_llama(mesh, rules)
+
+    def loss_fn(p, x, y):
+        logits = run(p, x)  # this rank's vocabulary piece
         return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
 
     batches = [batch(step) for step in range(STEPS)]
@@ -116,25 +131,12 @@ def train_llama_ulysses(shape: dict[str, int], stage: int) -> tuple[list[float],
     rules = sx.rules.ulysses("sp", names=sx.rules.LLAMA_NAMES)
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
-    model = llama()
-    state = sx.shard(sx.params_of(model), mesh, rules)
-    trainable = dict(model.named_parameters())
-    params = {k: v for k, v in state.items() if k in trainable}
-    buffers = {k: v for k, v in state.items() if k not in trainable}
+    run, params = sharded_llama(mesh, rules)
     size, index = mesh.size("sp"), mesh.axis_index("sp")
 
     def loss_fn(p, x, y):
-        positions = torch.arange(x.shape[1])  # rotary positions for the whole sequence
-        out = sx.apply(
-            model,
-            {**p, **buffers},
-            x,
-            position_ids=positions.expand(x.shape[0], -1),
-            cache_position=positions,
-            rules=rules,
-        )
         mine = y.chunk(size, dim=1)[index]  # the logits are this rank's positions
-        return F.cross_entropy(out.logits.flatten(0, 1), mine.flatten())
+        return F.cross_entropy(run(p, x).flatten(0, 1), mine.flatten())
 
     batches = [batch(step) for step in range(STEPS)]
     losses, params, ops = adamw_steps(params, loss_fn, batches, mesh, (LR, BETAS, EPS, WD))
