@@ -69,10 +69,9 @@ def zero(stage: int, axis: str | Iterable[str] = "dp") -> Rules:
     return Rules(ShardOver(axis, roles=roles)) if roles else Rules()
 
 
-def _regex(name: str, value: str | None) -> str | None:
+def _is_regex(_: object, attribute: attrs.Attribute, value: str | None) -> None:
     if value is not None:
-        Rule(value, P())  # validates the regex
-    return value
+        Rule(value, P())  # a clear error for a bad regex, naming it
 
 
 @attrs.frozen
@@ -99,19 +98,15 @@ class TransformerNames:
     TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None, attention=None)
     """
 
-    column: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
-    row: str = attrs.field(validator=lambda _, a, v: _regex(a.name, v))
-    vocab: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
-    head: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
-    positions: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
-    attention_in: str | None = attrs.field(
-        default=None, validator=lambda _, a, v: _regex(a.name, v)
-    )
-    attention_out: str | None = attrs.field(
-        default=None, validator=lambda _, a, v: _regex(a.name, v)
-    )
-    regions: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
-    attention: str | None = attrs.field(default=None, validator=lambda _, a, v: _regex(a.name, v))
+    column: str = attrs.field(validator=_is_regex)
+    row: str = attrs.field(validator=_is_regex)
+    vocab: str | None = attrs.field(default=None, validator=_is_regex)
+    head: str | None = attrs.field(default=None, validator=_is_regex)
+    positions: str | None = attrs.field(default=None, validator=_is_regex)
+    attention_in: str | None = attrs.field(default=None, validator=_is_regex)
+    attention_out: str | None = attrs.field(default=None, validator=_is_regex)
+    regions: str | None = attrs.field(default=None, validator=_is_regex)
+    attention: str | None = attrs.field(default=None, validator=_is_regex)
 
 
 GPT_NAMES = TransformerNames(

@@ -9,6 +9,7 @@ collectives are ``psum``/``pmax``, whose transposes keep gradients exact.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -146,8 +147,6 @@ def ulysses_attention(axis: Axis = "sp") -> Any:
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        import sys
-
         if attention_mask is not None:
             raise ShardingError(
                 "ulysses_attention runs causal attention over whole sequences; the model passed "
