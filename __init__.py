@@ -42,6 +42,7 @@ from .shard import apply as apply
 from .shard import explain as explain
 from .shard import gather as gather
 from .shard import init_params as init_params
+from .shard import local_sizes as local_sizes
 from .shard import manual_seed as manual_seed
 from .shard import params_of as params_of
 from .shard import plan_transfer as plan_transfer
@@ -81,6 +82,7 @@ __all__ = [
     "gather",
     "init",
     "init_params",
+    "local_sizes",
     "manual_seed",
     "optim",
     "params_of",

@@ -24,9 +24,10 @@ from .shard._placement import ShardOver as ShardOver
 from .shard._rules import Rule as Rule
 from .shard._rules import Rules as Rules
 from .shard._spec import P
-from .shard._tensor_parallel import ulysses_attention, vocab_parallel_embedding
+from .shard._tensor_parallel import local_sizes, ulysses_attention, vocab_parallel_embedding
 
 __all__ = [
+    "GPT2_NAMES",
     "GPT_NAMES",
     "LLAMA_NAMES",
     "ModuleRule",
@@ -84,18 +85,30 @@ class TransformerNames:
     embedding, split over the vocabulary; ``head`` — the LM head, its logits
     split over the vocabulary (a head tied to the embedding shares its
     weight and split); ``positions`` — a learned position embedding whose
-    output ``[T, d]`` is added to the token embeddings (split over the
+    output ``[1, T, d]`` (or ``[B, T, d]``: the sequence on dim 1) is added to the token embeddings (split over the
     sequence under sequence parallelism); ``attention_in`` — the
     projections whose outputs feed attention (a head-major fused qkv, or
     q/k/v) and ``attention_out`` — the projection after it, for Ulysses'
     all-to-alls; ``regions`` — the modules that run split over ``tp``
     inside (attention, MLP), whose dropout draws differ per ``tp`` rank;
-    ``attention`` — Llama-family attention modules that Ulysses runs with
-    :func:`shardax.ulysses_attention` (when ``attention_in``/``out`` cannot
-    say it: their forward reshapes by the input's length).
+    ``attention`` — the attention modules: Llama-family ones Ulysses runs
+    with :func:`shardax.ulysses_attention` (when ``attention_in``/``out``
+    cannot say it: their forward reshapes by the input's length), and
+    those whose ``attention_sizes`` (integer attributes counting all heads'
+    features, GPT-2's ``split_size``) run divided by the axis size
+    (:func:`shardax.local_sizes`); ``column_sizes`` — the same for the
+    column modules (``Conv1D``'s output width ``nf``); ``packed`` — column modules whose output
+    packs q, k and v side by side (GPT-2's ``c_attn``): split block by
+    block (``Rule(unflatten=...)``), each rank keeping its heads of each;
+    ``final`` — the module after the blocks whose output the model
+    reshapes by the input's shape (GPT-2's ``ln_f``, followed by a
+    ``.view``): under sequence parallelism and Ulysses the sequence is
+    gathered at its output instead of at the head's input;
+    ``transposed`` — the linears store ``[in, out]`` weights
+    (``transformers``' ``Conv1D``), not ``nn.Linear``'s ``[out, in]``.
 
     >>> TransformerNames(column=r"layers\\.\\d+\\.fc1", row=r"layers\\.\\d+\\.fc2")
-    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None, attention=None)
+    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None, attention=None, attention_sizes=(), column_sizes=(), packed=None, final=None, transposed=False)
     """
 
     column: str = attrs.field(validator=_is_regex)
@@ -107,6 +120,18 @@ class TransformerNames:
     attention_out: str | None = attrs.field(default=None, validator=_is_regex)
     regions: str | None = attrs.field(default=None, validator=_is_regex)
     attention: str | None = attrs.field(default=None, validator=_is_regex)
+    attention_sizes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    column_sizes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    packed: str | None = attrs.field(default=None, validator=_is_regex)
+    final: str | None = attrs.field(default=None, validator=_is_regex)
+    transposed: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        if self.attention_sizes and self.attention is None:
+            raise ShardingError(
+                f"TransformerNames(attention_sizes={self.attention_sizes!r}) names attributes of "
+                "the attention modules; give attention=<regex of their paths> too"
+            )
 
 
 GPT_NAMES = TransformerNames(
@@ -139,6 +164,31 @@ since it would otherwise number only this rank's piece of the sequence.
 ``rules.ulysses`` runs its attention with :func:`shardax.ulysses_attention`
 (same positions needed)."""
 
+GPT2_NAMES = TransformerNames(
+    column=r"transformer\.h\.\d+\.(attn\.c_attn|mlp\.c_fc)",
+    row=r"transformer\.h\.\d+\.(attn|mlp)\.c_proj",
+    vocab=r"transformer\.wte",
+    head=r"lm_head",
+    positions=r"transformer\.wpe",
+    attention_in=r"transformer\.h\.\d+\.attn\.c_attn",
+    attention_out=r"transformer\.h\.\d+\.attn\.c_proj",
+    regions=r"transformer\.h\.\d+\.(attn|mlp)",
+    attention=r"transformer\.h\.\d+\.attn",
+    attention_sizes=("split_size",),
+    column_sizes=("nf",),
+    packed=r"transformer\.h\.\d+\.attn\.c_attn",
+    final=r"transformer\.ln_f",
+    transposed=True,
+)
+"""Hugging Face ``transformers``' ``GPT2LMHeadModel``: ``Conv1D`` linears
+(``[in, out]`` weights), the packed ``c_attn`` split block by block — its
+weight is sharded as ``[d, 3, d]`` (q, k, v), so gathered parameters and
+checkpoints hold that shape (``.reshape(d, 3 * d)`` gives the model's) —
+the head tied to ``wte``, and ``split_size`` (and the column linears'
+``nf``) divided while they run.
+Pass ``use_cache=False`` when training, and with sequence parallelism or
+Ulysses the whole sequence's ``position_ids``."""
+
 
 def megatron(
     tp: str = "tp", *, sequence_parallel: bool = False, names: TransformerNames = GPT_NAMES
@@ -153,19 +203,22 @@ def megatron(
     column          ``P(tp, None)``     ``P(tp)``       split on features
     row             ``P(None, tp)``     added once      ``psum`` over tp
     vocab (embed)   ``P(tp, None)``     —               ``psum`` over tp
-    head            ``P(tp, None)``     —               split on vocabulary
+    head            ``P(tp, None)``     ``P(tp)``       split on vocabulary
     ==============  ==================  ==============  ====================
 
     Everything else (norms, position embeddings) stays replicated. Dropout
     inside the ``regions`` (attention, MLP) draws differently on each ``tp``
-    rank, outside them identically (seed every rank alike, or with
-    :func:`shardax.manual_seed` varying over the data axes only). Two
-    all-reduces per block forward (after attention and after the MLP) and
-    their transposes in backward — Megatron's four. Attention must take its
-    head count from the width it is given (``qkv`` laid out head-major, see
-    ``examples/gpt.py``); the loss of split logits is
+    rank up to the row-parallel output, elsewhere identically (seed every
+    rank alike, or with :func:`shardax.manual_seed` varying over the data
+    axes only). Two all-reduces per block forward (after attention and
+    after the MLP) and their transposes in backward — Megatron's four.
+    Attention must take its head count from the width it is given (``qkv``
+    laid out head-major, see ``examples/gpt.py``; or ``names.packed`` and
+    ``attention_sizes``, as for GPT-2); the loss of split logits is
     :func:`shardax.vocab_parallel_cross_entropy`. Split dims must divide
-    evenly. Compose with ``rules.zero(stage, "dp")`` for dp × tp.
+    evenly. ``names.transposed`` (``Conv1D``'s ``[in, out]`` weights) swaps
+    the column and row weights' specs. Compose with ``rules.zero(stage,
+    "dp")`` for dp × tp.
 
     ``sequence_parallel`` (Korthikanti et al., 2022, "Reducing Activation
     Recomputation in Large Transformer Models"): between the tensor-parallel
@@ -176,7 +229,9 @@ def megatron(
     (or embedding) output reduce-scattered onto it instead of all-reduced —
     the same bytes on the wire, a fraction of the activation memory. The
     position embedding's output is split to match, and the head gathers the
-    sequence back. ``T`` must divide by the ``tp`` size.
+    sequence back. Every dropout draws differently per ``tp`` rank (each
+    holds other positions or other heads). ``T`` must divide by the ``tp``
+    size.
 
     >>> import shardax as sx
     >>> rules = sx.rules.megatron("tp")
@@ -196,12 +251,26 @@ def megatron(
     # MLP) starts — it may read the sequence length before its first linear — or,
     # without region names, at each column-parallel linear.
     gather_at_regions = bool(gather) and names.regions is not None
-    entries: list[Rule | ModuleRule] = [
-        Rule(rf"({col})\.weight", P(tp, None)),
+    col_w, row_w = (P(None, tp), P(tp, None)) if names.transposed else (P(tp, None), P(None, tp))
+    entries: list[Rule | ModuleRule] = []
+    if names.packed is not None:  # [q | k | v]: each block split, as [3, d] (or [in, 3, d])
+        dim = 1 if names.transposed else 0
+        entries += [
+            Rule(
+                rf"({names.packed})\.weight",
+                P(*[None] * (dim + 1), tp),
+                unflatten=(dim, (3, -1)),
+            ),
+            Rule(rf"({names.packed})\.bias", P(None, tp), unflatten=(0, (3, -1))),
+        ]
+    entries += [
+        Rule(rf"({col})\.weight", col_w),
         Rule(rf"({col})\.bias", P(tp)),
-        Rule(rf"({row})\.weight", P(None, tp)),
+        Rule(rf"({row})\.weight", row_w),
         Rule(rf"({row})\.bias", P(), partial=tp),
-        ModuleRule(row, output=Relayout(P(), between, partial=tp)),
+        # Without sequence parallelism the summed output is a replica: dropout
+        # after it (GPT-2's, inside its region) draws from the shared stream.
+        ModuleRule(row, output=Relayout(P(), between, partial=tp), rejoin=not sequence_parallel),
     ]
     if gather and not gather_at_regions:
         entries.append(ModuleRule(col, inputs=gather))
@@ -216,14 +285,23 @@ def megatron(
         )
     if names.head is not None:
         entries.append(Rule(rf"({names.head})\.weight", P(tp, None)))
-        if gather:
-            entries.append(ModuleRule(names.head, inputs=gather))
+        entries.append(Rule(rf"({names.head})\.bias", P(tp)))
+    if gather and names.final is not None:
+        entries.append(ModuleRule(names.final, output=gather[0]))
+    elif gather and names.head is not None:
+        entries.append(ModuleRule(names.head, inputs=gather))
     if names.positions is not None and sequence_parallel:
-        entries.append(ModuleRule(names.positions, output=Relayout(P(), P(tp))))
+        entries.append(ModuleRule(names.positions, output=Relayout(P(), seq)))
     if names.regions is not None:
         entries.append(
             ModuleRule(names.regions, rng=tp, inputs=gather if gather_at_regions else ())
         )
+    if names.attention_sizes:
+        entries.append(ModuleRule(names.attention, forward=local_sizes(tp, *names.attention_sizes)))
+    if names.column_sizes:
+        entries.append(ModuleRule(col, forward=local_sizes(tp, *names.column_sizes)))
+    if sequence_parallel:  # every activation is split: every draw differs per tp rank
+        entries.append(ModuleRule("", rng=tp))
     return Rules(*entries, divisible=True)
 
 
@@ -243,21 +321,27 @@ def ulysses(sp: str = "sp", *, names: TransformerNames = GPT_NAMES) -> Rules:
     boundary            arrives                    leaves
     ==================  =========================  ===========================
     token embedding     ``P()`` (every position)   ``P(None, sp)``: sliced
-    position embedding  ``P()``                    ``P(sp)``: sliced
+    position embedding  ``P()``                    ``P(None, sp)``: sliced
     ``attention_in``    out ``P(None, sp)``        ``P(None, None, sp)``: heads
     ``attention_out``   in ``P(None, None, sp)``   ``P(None, sp)``: sequence
     ==================  =========================  ===========================
 
     The logits come back split over the sequence: take this rank's piece of
     the targets the same way (``y.chunk(size, dim=1)[index]``), and
-    :func:`shardax.value_and_grad` averages the ranks' losses. The head
+    :func:`shardax.value_and_grad` averages the ranks' losses — except with
+    ``names.final`` (GPT-2), where the sequence is gathered after the final
+    norm and every rank computes the whole sequence's logits and loss. The head
     count and the sequence length must divide by the ``sp`` size; the
-    attention projections' features must be laid out head-major.
+    attention projections' features must be laid out head-major, or packed
+    (``names.packed``: each of q, k and v split over heads, with
+    ``attention_sizes`` divided while attention runs, as for GPT-2). Every
+    dropout draws differently per ``sp`` rank: each holds other positions
+    or other heads.
 
     >>> import shardax as sx
     >>> rules = sx.rules.ulysses("sp")
-    >>> [type(r).__name__ for r in rules.modules]
-    ['ModuleRule', 'ModuleRule', 'ModuleRule', 'ModuleRule']
+    >>> len(rules.modules), rules.modules[2].output
+    (5, Relayout(P(None, 'sp'), P(None, None, 'sp')))
     """
     if not isinstance(names, TransformerNames):
         raise ShardingError(f"names is a TransformerNames; got {names!r}")
@@ -273,12 +357,21 @@ def ulysses(sp: str = "sp", *, names: TransformerNames = GPT_NAMES) -> Rules:
     if names.vocab is not None:
         entries.append(ModuleRule(names.vocab, output=Relayout(P(), seq)))
     if names.positions is not None:
-        entries.append(ModuleRule(names.positions, output=Relayout(P(), P(sp))))
+        entries.append(ModuleRule(names.positions, output=Relayout(P(), seq)))
     if relayouts:
+        if names.packed is not None:  # [q | k | v] each split over heads
+            heads = Relayout(seq, P(None, None, None, sp), unflatten=(-1, (3, -1)))
+            entries.append(ModuleRule(names.packed, output=heads))
         entries += [
             ModuleRule(names.attention_in, output=Relayout(seq, P(None, None, sp))),
             ModuleRule(names.attention_out, inputs=[Relayout(P(None, None, sp), seq)]),
         ]
+        if names.attention_sizes:
+            sizes = local_sizes(sp, *names.attention_sizes)
+            entries.append(ModuleRule(names.attention, forward=sizes))
     else:
         entries.append(ModuleRule(names.attention, forward=ulysses_attention(sp)))
+    if names.final is not None:  # the model reshapes by the input's shape after it
+        entries.append(ModuleRule(names.final, output=Relayout(seq, P())))
+    entries.append(ModuleRule("", rng=sp))  # pieces of the sequence draw differently
     return Rules(*entries)

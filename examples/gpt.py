@@ -226,7 +226,7 @@ class GPT(nn.Module):
                 f"GPT: sequence of {t} tokens is longer than seq_len={self.cfg.seq_len}; "
                 "crop the context (generate(..., context=seq_len) does)"
             )
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(t, device=idx.device).unsqueeze(0)  # [1, T]: positions on dim 1
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)

@@ -37,6 +37,7 @@ from ._sharded import Sharded as Sharded
 from ._spec import NamedSharding as NamedSharding
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
+from ._tensor_parallel import local_sizes as local_sizes
 from ._tensor_parallel import ulysses_attention as ulysses_attention
 from ._tensor_parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from ._tensor_parallel import vocab_parallel_embedding as vocab_parallel_embedding
@@ -62,6 +63,7 @@ __all__ = [
     "gather",
     "init_params",
     "layouts_for",
+    "local_sizes",
     "manual_seed",
     "params_of",
     "plan_transfer",

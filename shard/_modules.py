@@ -27,11 +27,27 @@ from torch import nn
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
-from ._random import fork_hooks
+from ._random import Streams
 from ._sharded import Sharded
 from ._spec import PartitionSpec, as_spec
 
 __all__ = ["ModuleRule", "Relayout", "install"]
+
+
+def _unflatten(value: Any) -> tuple[int, tuple[int, ...]] | None:
+    if value is None:
+        return None
+    try:
+        dim, sizes = value
+        out = (int(dim), tuple(int(n) for n in sizes))
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not out[1] or out[1].count(-1) > 1 or any(n < 1 and n != -1 for n in out[1]):
+        raise ShardingError(
+            f"unflatten is (dim, sizes) as for torch.Tensor.unflatten, sizes positive with at most "
+            f"one -1, e.g. (1, (3, -1)); got {value!r}"
+        )
+    return out
 
 
 @attrs.frozen(repr=False)
@@ -46,18 +62,42 @@ class Relayout:
     Relayout(P(), P(), partial=('tp',))
     >>> Relayout(P(None, "tp"), P())               # sequence-split → replicated: all_gather
     Relayout(P(None, 'tp'), P())
+
+    ``unflatten=(dim, sizes)`` moves the activation as ``t.unflatten(dim,
+    sizes)`` (the specs are for that shape) and flattens it back: a packed
+    ``[B, T, 3·d]`` q/k/v output goes from a sequence split to a split of
+    each of its three blocks (each rank: its heads of q, of k and of v).
+
+    >>> Relayout(P(None, "sp"), P(None, None, None, "sp"), unflatten=(-1, (3, -1)))
+    Relayout(P(None, 'sp'), P(None, None, None, 'sp'), unflatten=(-1, (3, -1)))
     """
 
     src: PartitionSpec = attrs.field(converter=as_spec)
     dst: PartitionSpec = attrs.field(converter=as_spec)
     partial: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
+    unflatten: tuple[int, tuple[int, ...]] | None = attrs.field(
+        default=None, converter=lambda u: _unflatten(u), kw_only=True
+    )
 
     def __call__(self, t: torch.Tensor, mesh: AbstractMesh, where: str = "") -> torch.Tensor:
         """``t`` (this rank's piece in ``src``) moved to ``dst``: this rank's piece."""
-        from ._transfer import transfer
-
         if not isinstance(t, torch.Tensor):
             raise ShardingError(f"{where}: {self!r} needs a tensor; got {type(t).__name__}")
+        if self.unflatten is None:
+            return self._move(t, mesh, where)
+        dim, sizes = self.unflatten
+        d = dim + t.ndim if dim < 0 else dim
+        try:
+            viewed = t.unflatten(d, sizes)
+        except (RuntimeError, IndexError) as err:
+            raise ShardingError(
+                f"{where}: {self!r} cannot unflatten an activation of shape {tuple(t.shape)}: {err}"
+            ) from None
+        return self._move(viewed, mesh, where).flatten(d, d + len(sizes) - 1)
+
+    def _move(self, t: torch.Tensor, mesh: AbstractMesh, where: str) -> torch.Tensor:
+        from ._transfer import transfer
+
         if len(self.src.entries) > t.ndim or len(self.dst.entries) > t.ndim:
             raise ShardingError(
                 f"{where}: {self!r} has more entries than the activation has dims "
@@ -67,10 +107,12 @@ class Relayout:
         for d, axes in enumerate(self.src.dim_axes(t.ndim)):
             shape[d] *= math.prod(mesh.size(a) for a in axes)
         src = Layout(mesh, self.src, partial=self.partial)
-        return transfer(Sharded(t, src, tuple(shape)), Layout(mesh, self.dst)).local
+        moved = transfer(Sharded(t, src, tuple(shape)), Layout(mesh, self.dst)).local
+        return moved.contiguous()  # modules .view() their inputs (Conv1D does)
 
     def __repr__(self) -> str:
         tail = f", partial={self.partial!r}" if self.partial else ""
+        tail += f", unflatten={self.unflatten!r}" if self.unflatten is not None else ""
         return f"Relayout({self.src!r}, {self.dst!r}{tail})"
 
 
@@ -100,8 +142,11 @@ class ModuleRule:
     instead of the module's own forward; with ``rng=axes``, the module draws
     random numbers (dropout) from a stream of its own for each index along
     ``axes`` — the regions a tensor-parallel axis splits — and the shared
-    stream continues the same on every rank after it. The first matching
-    module rule wins.
+    stream continues the same on every rank after it; ``rejoin=True``
+    returns the enclosing region to the shared stream once the module has
+    run (its output is a replica again: a row-parallel linear's ``psum``).
+    Every matching rule applies; for each of inputs, output, forward and rng
+    the first matching rule that sets it wins.
 
     >>> from shardax import P
     >>> ModuleRule(r"blocks\\.\\d+\\.mlp\\.proj", output=Relayout(P(), P(), partial="tp"))
@@ -115,6 +160,7 @@ class ModuleRule:
     output: Relayout | None = attrs.field(default=None, kw_only=True)
     forward: Forward | None = attrs.field(default=None, kw_only=True)
     rng: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
+    rejoin: bool = attrs.field(default=False, kw_only=True)
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
 
     @_regex.default
@@ -149,6 +195,8 @@ class ModuleRule:
             parts.append(f"forward={getattr(self.forward, '__name__', self.forward)!s}")
         if self.rng:
             parts.append(f"rng={self.rng!r}")
+        if self.rejoin:
+            parts.append("rejoin=True")
         return f"ModuleRule({', '.join(parts)})"
 
 
@@ -160,26 +208,33 @@ def install(
     undo: list[Callable[[], None]] = []
     if not rules:
         return lambda: None
+    streams = Streams(mesh) if mesh is not None else None
     for path, module in model.named_modules():
-        rule = next((r for r in rules if r.matches(path)), None)
-        if rule is None:
+        matching = [r for r in rules if r.matches(path)]
+        if not matching:
             continue
-        if mesh is None:
+        if mesh is None or streams is None:
             raise ShardingError(
-                f"module rule {rule!r} matches {path!r} but no parameter is Sharded: module rules "
-                "run on the parameters' mesh (shard them with shardax.shard or init_params)"
+                f"module rule {matching[0]!r} matches {path!r} but no parameter is Sharded: module "
+                "rules run on the parameters' mesh (shard them with shardax.shard or init_params)"
             )
-        if rule.inputs:
+
+        def first(aspect: str, matching: list[ModuleRule] = matching) -> Any:
+            return next((r for r in matching if getattr(r, aspect)), None)
+
+        if (rule := first("inputs")) is not None:
             hook = _inputs(rule, mesh, path, module)
             undo.append(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
-        if rule.output is not None:
+        if (rule := first("output")) is not None:
             undo.append(module.register_forward_hook(_output(rule, mesh, path)).remove)
-        if rule.forward is not None:
+        if (rule := first("forward")) is not None:
             undo.append(_override(module, rule.forward, mesh))
-        if rule.rng:
-            pre, post = fork_hooks(mesh, rule.rng)
+        if (rule := first("rng")) is not None:
+            pre, post = streams.fork(rule.rng)
             undo.append(module.register_forward_pre_hook(pre, prepend=True).remove)
             undo.append(module.register_forward_hook(post, always_call=True).remove)
+        if first("rejoin") is not None:
+            undo.append(module.register_forward_hook(streams.rejoin, always_call=True).remove)
 
     def remove() -> None:
         for u in reversed(undo):

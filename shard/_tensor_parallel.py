@@ -23,7 +23,12 @@ from ..mesh._mesh import AbstractMesh
 from ._layout import Layout
 from ._spec import P
 
-__all__ = ["ulysses_attention", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
+__all__ = [
+    "local_sizes",
+    "ulysses_attention",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
+]
 
 
 def _piece(n: int, axis: Axis, mesh: Any) -> tuple[int, int]:
@@ -68,6 +73,55 @@ def vocab_parallel_embedding(axis: Axis = "tp") -> Any:
 
     forward.__name__ = f"vocab_parallel_embedding({axis!r})"
     return forward
+
+
+def local_sizes(axis: Axis, *attributes: str) -> Any:
+    """A ``forward`` for :class:`ModuleRule` that runs the module's own
+    forward with its integer ``attributes`` divided by the size of ``axis``
+    while it runs: sizes that count the features of the whole layer, where
+    the rank holds ``1/size`` of them — Hugging Face GPT-2 attention splits
+    q, k and v off its packed ``c_attn`` output by ``split_size``, which
+    under tensor parallelism (or Ulysses' head split) is this rank's share.
+
+    >>> import torch, shardax as sx
+    >>> class Halves(torch.nn.Module):
+    ...     width = 4
+    ...     def forward(self, x):
+    ...         return x.split(self.width, dim=-1)[0]
+    >>> forward = sx.local_sizes("tp", "width")
+    >>> forward(Halves(), sx.Mesh({"tp": 1}), torch.arange(8.0)).shape
+    torch.Size([4])
+    """
+    if not attributes or not all(isinstance(a, str) for a in attributes):
+        raise ShardingError(f"local_sizes needs attribute names; got {attributes!r}")
+
+    def forward(module: nn.Module, mesh: AbstractMesh, *args: Any, **kwargs: Any) -> Any:
+        n = mesh.size(axis)
+        saved: dict[str, Any] = {}
+        for name in attributes:
+            value = getattr(module, name, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value % n:
+                raise ShardingError(
+                    f"local_sizes({axis!r}): {type(module).__name__}.{name} is {value!r}; it must "
+                    f"be an integer that the size of {axis!r} ({n}) divides"
+                )
+            saved[name] = module.__dict__.get(name, _UNSET)
+        try:
+            for name in attributes:
+                setattr(module, name, getattr(module, name) // n)
+            return type(module).forward(module, *args, **kwargs)
+        finally:
+            for name, value in saved.items():
+                if value is _UNSET:
+                    delattr(module, name)
+                else:
+                    setattr(module, name, value)
+
+    forward.__name__ = f"local_sizes({axis!r}, {', '.join(map(repr, attributes))})"
+    return forward
+
+
+_UNSET = object()
 
 
 def vocab_parallel_cross_entropy(
@@ -130,7 +184,7 @@ def ulysses_attention(axis: Axis = "sp") -> Any:
     ``rules.ulysses(names=rules.LLAMA_NAMES)`` installs it.
 
     >>> import shardax as sx
-    >>> sx.rules.ulysses("sp", names=sx.rules.LLAMA_NAMES).modules[-1]
+    >>> sx.rules.ulysses("sp", names=sx.rules.LLAMA_NAMES).modules[-2]
     ModuleRule('model\\\\.layers\\\\.\\\\d+\\\\.self_attn', forward=ulysses_attention('sp'))
     """
     from ._modules import Relayout

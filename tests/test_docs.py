@@ -18,6 +18,7 @@ PAGES = [
     "docs/data.md",
     "docs/ckpt.md",
     "docs/tensor_parallel.md",
+    "docs/ulysses.md",
 ]
 
 

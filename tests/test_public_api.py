@@ -39,6 +39,7 @@ SURFACE = {
         "gather",
         "init",
         "init_params",
+        "local_sizes",
         "manual_seed",
         "optim",
         "params_of",
@@ -99,6 +100,7 @@ SURFACE = {
         "gather",
         "init_params",
         "layouts_for",
+        "local_sizes",
         "manual_seed",
         "params_of",
         "plan_transfer",
@@ -138,6 +140,7 @@ SURFACE = {
         "transpose",
     ],
     "shardax.rules": [
+        "GPT2_NAMES",
         "GPT_NAMES",
         "LLAMA_NAMES",
         "ModuleRule",

@@ -1,8 +1,10 @@
-"""``rules.megatron`` on Hugging Face ``transformers`` models, built from
-their config classes (random init, nothing downloaded): 5 AdamW steps of a
-tiny ``LlamaForCausalLM`` (grouped-query attention, rotary positions,
-untied head) on tp=2 and dp=2 × tp=2 with ZeRO-1 and ZeRO-3, and with
-Megatron sequence parallelism, match the single-process PyTorch run."""
+"""``rules.megatron`` and ``rules.ulysses`` on Hugging Face ``transformers``
+models, built from their config classes (random init, nothing downloaded):
+5 AdamW steps of a tiny ``LlamaForCausalLM`` (grouped-query attention,
+rotary positions, untied head) and a tiny ``GPT2LMHeadModel`` (``Conv1D``
+linears, packed ``c_attn``, tied head, learned positions) on tp=2 and
+dp=2 × tp=2 with ZeRO-1 and ZeRO-3, with Megatron sequence parallelism, and
+under Ulysses, match the single-process PyTorch run."""
 
 from __future__ import annotations
 
@@ -37,14 +39,52 @@ def llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=16,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+MODELS = {"llama": (llama, sx.rules.LLAMA_NAMES), "gpt2": (gpt2, sx.rules.GPT2_NAMES)}
+SPLIT = {  # a weight of each kind that tensor parallelism must split
+    "llama": [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ],
+    "gpt2": [
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.attn.c_attn.bias",
+        "transformer.h.1.mlp.c_proj.weight",
+        "transformer.wte.weight",
+    ],
+}
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return x, torch.roll(x, -1, dims=1)
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = llama()
+def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = MODELS[family][0]()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     losses = []
     for step in range(STEPS):
@@ -57,12 +97,18 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def sharded_llama(mesh: sx.Mesh, rules: sx.Rules) -> tuple[Any, dict]:
-    """The tiny Llama's trainable parameters sharded by ``rules`` (every rank
+def check(losses: list[float], params: dict, ref_losses: list[float], ref_params: dict) -> None:
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for k, v in ref_params.items():  # GPT-2's c_attn is sharded as [d, 3, d]
+        torch.testing.assert_close(params[k].reshape(v.shape), v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def sharded(family: str, mesh: sx.Mesh, rules: sx.Rules) -> tuple[Any, dict]:
+    """The tiny model's trainable parameters sharded by ``rules`` (every rank
     builds it: it is tiny), and ``run(params, x) -> logits``: the model under
-    ``apply`` with its buffers (rotary frequencies) and the whole sequence's
-    positions, which sequence parallelism and Ulysses need."""
-    model = llama()
+    ``apply`` with its buffers (Llama's rotary frequencies) and the whole
+    sequence's positions, which sequence parallelism and Ulysses need."""
+    model = MODELS[family][0]()
     state = sx.shard(sx.params_of(model), mesh, rules)
     trainable = dict(model.named_parameters())
     params = {k: v for k, v in state.items() if k in trainable}
@@ -70,27 +116,28 @@ def sharded_llama(mesh: sx.Mesh, rules: sx.Rules) -> tuple[Any, dict]:
 
     def run(p: dict, x: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(x.shape[1])
+        extra = {"cache_position": positions} if family == "llama" else {}
         out = sx.apply(
             model,
             {**p, **buffers},
             x,
             position_ids=positions.expand(x.shape[0], -1),
-            cache_position=positions,
             rules=rules,
+            **extra,
         )
         return out.logits
 
     return run, params
 
 
-def train_llama(
-    shape: dict[str, int], stage: int, sp: bool = False
+def train_megatron(
+    family: str, shape: dict[str, int], stage: int, sp: bool = False
 ) -> tuple[list[float], dict, dict]:
     mesh = sx.Mesh(shape)
-    rules = sx.rules.megatron("tp", sequence_parallel=sp, names=sx.rules.LLAMA_NAMES)
+    rules = sx.rules.megatron("tp", sequence_parallel=sp, names=MODELS[family][1])
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
-    run, params = sharded_llama(mesh, rules)
+    run, params = sharded(family, mesh, rules)
 
     def loss_fn(p, x, y):
         logits = run(p, x)  # this rank's vocabulary piece
@@ -102,6 +149,7 @@ def train_llama(
 
 
 @pytest.mark.world_size(4)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize(
     ("shape", "stage", "sp"),
     [
@@ -113,30 +161,29 @@ def train_llama(
     ],
     ids=["tp2", "dp2xtp2-zero1", "dp2xtp2-zero3", "tp2-sp", "dp2xtp2-zero3-sp"],
 )
-def test_megatron_llama_matches_pytorch(shape, stage, sp):
-    ref_losses, ref_params = reference()
+def test_megatron_matches_pytorch(family, shape, stage, sp):
+    ref_losses, ref_params = reference(family)
     world = 2 if "dp" not in shape else 4
-    for losses, params, specs in run_ranks(train_llama, shape, stage, sp, world_size=world):
-        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
-        for k, v in ref_params.items():
-            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5, msg=k)
-        assert "tp" in specs["model.layers.0.self_attn.k_proj.weight"].axes
-        assert "tp" in specs["model.layers.1.mlp.down_proj.weight"].axes
-        assert "tp" in specs["model.embed_tokens.weight"].axes
-        assert "tp" in specs["lm_head.weight"].axes
+    for losses, params, specs in run_ranks(
+        train_megatron, family, shape, stage, sp, world_size=world
+    ):
+        check(losses, params, ref_losses, ref_params)
+        for k in SPLIT[family]:
+            assert "tp" in specs[k].axes, (k, specs[k])
 
 
-def train_llama_ulysses(shape: dict[str, int], stage: int) -> tuple[list[float], dict]:
+def train_ulysses(family: str, shape: dict[str, int], stage: int) -> tuple[list[float], dict]:
     mesh = sx.Mesh(shape)
-    rules = sx.rules.ulysses("sp", names=sx.rules.LLAMA_NAMES)
+    rules = sx.rules.ulysses("sp", names=MODELS[family][1])
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
-    run, params = sharded_llama(mesh, rules)
+    run, params = sharded(family, mesh, rules)
     size, index = mesh.size("sp"), mesh.axis_index("sp")
 
     def loss_fn(p, x, y):
-        mine = y.chunk(size, dim=1)[index]  # the logits are this rank's positions
-        return F.cross_entropy(run(p, x).flatten(0, 1), mine.flatten())
+        if family == "llama":  # the logits are this rank's positions
+            y = y.chunk(size, dim=1)[index]  # (GPT-2's: gathered after ln_f)
+        return F.cross_entropy(run(p, x).flatten(0, 1), y.flatten())
 
     batches = [batch(step) for step in range(STEPS)]
     losses, params, ops = adamw_steps(params, loss_fn, batches, mesh, (LR, BETAS, EPS, WD))
@@ -145,18 +192,18 @@ def train_llama_ulysses(shape: dict[str, int], stage: int) -> tuple[list[float],
 
 
 @pytest.mark.world_size(4)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize(
     ("shape", "stage"), [({"sp": 2}, 0), ({"dp": 2, "sp": 2}, 1)], ids=["sp2", "dp2xsp2-zero1"]
 )
-def test_ulysses_llama_matches_pytorch(shape, stage):
-    """Ulysses on Llama: its attention run by shardax.ulysses_attention
-    (all-to-alls around causal SDPA, grouped key/value heads, rotary)."""
-    ref_losses, ref_params = reference()
+def test_ulysses_matches_pytorch(family, shape, stage):
+    """Ulysses: Llama's attention run by shardax.ulysses_attention
+    (all-to-alls around causal SDPA, grouped key/value heads, rotary);
+    GPT-2's by all-to-alls at its packed c_attn output and c_proj input."""
+    ref_losses, ref_params = reference(family)
     world = 2 if "dp" not in shape else 4
-    for losses, params in run_ranks(train_llama_ulysses, shape, stage, world_size=world):
-        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
-        for k, v in ref_params.items():
-            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    for losses, params in run_ranks(train_ulysses, family, shape, stage, world_size=world):
+        check(losses, params, ref_losses, ref_params)
 
 
 def test_ulysses_attention_refuses_padding_masks():
@@ -178,3 +225,17 @@ def test_ulysses_attention_refuses_padding_masks():
             cache_position=positions,
             rules=rules,
         )
+
+
+def test_gpt2_names_split_every_large_weight():
+    """What rules.megatron leaves whole on GPT-2 is small: norms, the
+    position embedding and the row-parallel biases."""
+    rules = sx.rules.megatron("tp", names=sx.rules.GPT2_NAMES)
+    whole = rules.replicated(sx.params_of(gpt2()), sx.AbstractMesh({"tp": 2}), "tp")
+    layer = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias")
+    assert {p for p, _, _ in whole} == {
+        "transformer.wpe.weight",
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+        *(f"transformer.h.{i}.{n}" for i in range(2) for n in (*layer, "mlp.c_proj.bias")),
+    }

@@ -276,3 +276,61 @@ def test_rules_name_what_they_leave_replicated():
     whole = missed.replicated(params, mesh, "tp")
     assert whole[0] == ("blocks.0.mlp.fc.weight", (64, 16), 64 * 16 * 4)  # largest first
     assert ("wte.weight", (CFG.vocab_size, CFG.d_model), CFG.vocab_size * CFG.d_model * 4) in whole
+
+
+def test_packed_tensors_are_split_block_by_block():
+    """Rule(unflatten=...): a [d, 3·d] q|k|v weight sharded as [d, 3, d]
+    gives each rank its part of q, of k and of v; apply hands the module
+    the local piece flattened back, and an activation Relayout can do the
+    same."""
+    rule = sx.Rule("qkv", sx.P(None, None, "tp"), unflatten=(1, (3, -1)))
+    assert eval(repr(rule), {"Rule": sx.Rule, "P": sx.P}) == rule
+    mesh = sx.AbstractMesh({"tp": 2})
+    layout = sx.Layout(mesh, sx.Rules(rule).spec_for("qkv", (4, 12), mesh))
+    w = torch.arange(48.0).reshape(4, 12)
+    pieces = [w.unflatten(1, (3, -1))[:, :, r * 2 : (r + 1) * 2] for r in range(2)]
+    assert layout.local_shape((4, 3, 4), 1) == (4, 3, 2)
+    assert torch.equal(pieces[1].flatten(1), w[:, [2, 3, 6, 7, 10, 11]])
+
+    live = sx.Mesh({"tp": 1})
+    linear = torch.nn.Linear(4, 12, bias=False)  # weight [12, 4]: unflatten dim 0
+    params = sx.shard(
+        {"weight": linear.weight.detach()},
+        live,
+        sx.Rule("weight", sx.P(None, "tp"), unflatten=(0, (3, -1))),
+    )
+    assert params["weight"].shape == (3, 4, 4)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(sx.apply(linear, params, x), linear(x))
+    with pytest.raises(sx.ShardingError, match=r"params\['weight'\] has shape \(5, 4\)"):
+        sx.apply(linear, sx.shard({"weight": torch.zeros(5, 4)}, live, sx.P()), x)
+    with pytest.raises(sx.ShardingError, match=r"cannot be unflattened by \(1, \(3, -1\)\)"):
+        rule.view((4, 13), "qkv")
+    with pytest.raises(sx.ShardingError, match="at most one -1"):
+        sx.Rule("x", sx.P(), unflatten=(0, (-1, -1)))
+
+    to_heads = sx.rules.Relayout(sx.P(), sx.P(None, None, "tp"), unflatten=(-1, (3, -1)))
+    assert torch.equal(to_heads(w, live), w)  # one rank: every block whole
+    with pytest.raises(
+        sx.ShardingError, match=r"cannot unflatten an activation of shape \(4, 13\)"
+    ):
+        to_heads(torch.zeros(4, 13), live)
+
+
+def test_local_sizes_needs_divisible_integer_attributes():
+    class Split(torch.nn.Module):
+        width = 3
+
+        def forward(self, x):
+            return x.split(self.width, dim=-1)[0]
+
+    forward = sx.local_sizes("tp", "width")
+    module = Split()
+    assert forward(module, sx.Mesh({"tp": 1}), torch.arange(6.0)).shape == (3,)
+    assert "width" not in module.__dict__  # the class attribute is back
+    with pytest.raises(sx.ShardingError, match=r"Split\.missing is None"):
+        sx.local_sizes("tp", "missing")(module, sx.Mesh({"tp": 1}), torch.zeros(2))
+    with pytest.raises(sx.ShardingError, match="needs attribute names"):
+        sx.local_sizes("tp")
+    with pytest.raises(sx.ShardingError, match="give attention="):
+        sx.rules.TransformerNames(column="a", row="b", attention_sizes=("split_size",))
