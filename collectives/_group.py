@@ -108,14 +108,16 @@ def translate_error(group: Group, op: str, seq: int, err: BaseException) -> Coll
     grace = min(5.0, max(timeout, 0.5))
     if not _is_timeout(err):
         if _is_peer_closed(err):
-            # A peer that timed out on this collective closes its connections,
-            # and ranks still waiting see that before their own timer fires:
-            # the cause is the rank that never came, so report it as the
-            # timeout it is when some peer did time out here.
+            # A peer that timed out on this collective, or died (its node's
+            # launcher stopped it), closes its connections, and ranks still
+            # waiting see that before their own timer fires: the cause is the
+            # rank that never came, so name it.
             arrived, missing, elsewhere = _who_arrived(group, op, seq, grace=grace)
             if missing and set(arrived) - {group.rank}:
                 how = (
-                    f"was abandoned on rank {group.rank} when a peer timed out after {timeout:g} s"
+                    f"was abandoned on rank {group.rank} when a peer closed its connection (a "
+                    f"rank died or was stopped — on another node too —, or timed out after "
+                    f"{timeout:g} s)"
                 )
                 return _timeout_error(where, how, arrived, missing, elsewhere)
         return CollectiveError(

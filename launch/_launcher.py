@@ -64,6 +64,11 @@ def launch(
     log_ranks: Iterable[int] | None = None,
     kill_grace: float = 5.0,
     env: Mapping[str, str] | None = None,
+    num_nodes: int = 1,
+    node_rank: int = 0,
+    devices: Sequence[int] | None = None,
+    max_restarts: int = 0,
+    stop_on_stdin_eof: bool = False,
 ) -> int:
     """Run ``cmd`` as ``nproc_per_node`` local ranks and supervise them.
 
@@ -75,17 +80,34 @@ def launch(
     the launcher stop the ranks the same way and return 128 + the signal
     (130, 143, 129); they are only caught when called from the main thread.
 
+    In a job of ``num_nodes`` nodes, this call is node ``node_rank``: one
+    launcher per node (each started by hand, by a cluster's scheduler, or by
+    ``shardax launch --launcher ssh|pdsh|slurm|mpirun``), all with the same
+    ``master_addr`` and ``master_port``. Ranks of other nodes fail their
+    next collective when a node stops, so every node's launcher stops too.
+
     Args:
         cmd: The argv every rank runs, e.g. ``[sys.executable, "train.py"]``
             (see :func:`rank_command`).
-        nproc_per_node: The number of ranks.
+        nproc_per_node: The number of ranks on this node.
         master_addr: The address of rank 0's rendezvous store.
-        master_port: Its port; ``None`` asks the OS for a free one.
-        log_ranks: The ranks whose output is shown (``None``: all). A failed
-            rank's traceback is shown in the summary regardless.
+        master_port: Its port; ``None`` asks the OS for a free one (one
+            node only: the nodes of a job must agree on it).
+        log_ranks: The (global) ranks whose output is shown (``None``: all
+            of this node's). A failed rank's traceback is shown regardless.
         kill_grace: Seconds between SIGTERM and SIGKILL when stopping ranks.
         env: The environment the ranks start from (default ``os.environ``);
             see :func:`rank_env` for what is added.
+        num_nodes: The number of nodes in the job.
+        node_rank: This node's index in ``0..num_nodes-1``.
+        devices: This node's device slots, one per rank (``CUDA_VISIBLE_DEVICES``).
+        max_restarts: When a rank fails, stop every rank and start the job
+            again, up to this many times (the script resumes from its latest
+            checkpoint); ranks see ``SHARDAX_RESTART_COUNT``. One node only:
+            across nodes, the launcher that starts them all restarts them.
+        stop_on_stdin_eof: Stop every rank (as on SIGHUP) when this
+            process's stdin reaches end of file: a node launcher started
+            over ssh by a driver that holds its stdin open dies with it.
 
     Returns:
         0 if every rank exited 0; else the first failed rank's exit code
@@ -100,31 +122,74 @@ def launch(
     ...        kill_grace=1.0)
     3
     """
-    spec = LaunchSpec(
-        cmd=cmd,
-        nproc_per_node=nproc_per_node,
-        master_addr=master_addr,
-        master_port=free_port() if master_port is None else master_port,
-    )
-    ranks = range(spec.nproc_per_node)
-    shown = ranks if log_ranks is None else validate_ranks(log_ranks, spec.world_size, "log_ranks")
+    if master_port is None and num_nodes != 1:
+        raise LaunchError(
+            f"a job of {num_nodes} nodes needs master_port: every node's launcher must use "
+            "the same one (e.g. --master-port 29500)"
+        )
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise LaunchError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    if max_restarts and num_nodes != 1:
+        raise LaunchError(
+            "max_restarts restarts the ranks of one node; a job of several nodes is restarted "
+            "by the launcher that starts them all (--launcher ssh, pdsh, slurm or mpirun), or "
+            "by the cluster's scheduler"
+        )
     if isinstance(kill_grace, bool) or not isinstance(kill_grace, (int, float)) or kill_grace < 0:
         raise LaunchError(f"kill_grace must be a number of seconds >= 0, got {kill_grace!r}")
-    base_env = os.environ if env is None else env
-    envs = [rank_env(spec, rank, base_env) for rank in ranks]
+    base_env = dict(os.environ if env is None else env)
+    restart = 0
+    while True:
+        spec = LaunchSpec(
+            cmd=cmd,
+            nproc_per_node=nproc_per_node,
+            master_addr=master_addr,
+            master_port=free_port() if master_port is None else master_port,
+            num_nodes=num_nodes,
+            node_rank=node_rank,
+            devices=devices,
+        )
+        if log_ranks is None:
+            shown: frozenset[int] | range = spec.ranks
+        else:
+            shown = validate_ranks(log_ranks, spec.world_size, "log_ranks")
+        run_env = {**base_env, "SHARDAX_RESTART_COUNT": str(restart)}
+        outcome, code, sink = _run_once(spec, shown, float(kill_grace), run_env, stop_on_stdin_eof)
+        if not outcome.failures or restart >= max_restarts:
+            return code
+        restart += 1
+        rank, returncode = outcome.failures[0]
+        sink.message(
+            f"shardax launch: restarting every rank (restart {restart} of {max_restarts}) "
+            f"because rank {rank} failed ({describe_returncode(returncode)})"
+        )
+
+
+def _run_once(
+    spec: LaunchSpec,
+    shown: Iterable[int],
+    kill_grace: float,
+    base_env: Mapping[str, str],
+    stop_on_stdin_eof: bool = False,
+) -> tuple[_Outcome, int, Sink]:
+    """Start this node's ranks once and supervise them to the end."""
+    shown = frozenset(shown)
+    envs = [rank_env(spec, local, base_env) for local in range(spec.nproc_per_node)]
     sink = Sink()
     with _record_signals() as received:
-        procs = _spawn_all(spec.cmd, envs)
+        procs = _spawn_all([spec.cmd] * len(envs), envs)
         guard = _start_guard([proc.pid for proc in procs])
         # Reader threads start only now: preexec_fn is unsafe once threads exist.
         outputs = [
             RankOutput(rank, proc.stdout, proc.stderr, sink=sink, show=rank in shown)
-            for rank, proc in enumerate(procs)
+            for rank, proc in zip(spec.ranks, procs, strict=True)
         ]
         for output in outputs:
             output.start()
+        if stop_on_stdin_eof:
+            _watch_stdin(received, sink)
         try:
-            outcome = _supervise(procs, received, float(kill_grace), sink)
+            outcome = _supervise(procs, spec.ranks, received, kill_grace, sink)
         except BaseException:  # a bug or an unexpected exception: still leave nothing behind
             _stop(procs, 0.0, received)
             raise
@@ -134,15 +199,27 @@ def launch(
     for output in outputs:
         output.join(max(0.0, deadline - time.monotonic()))
     if outcome.signum is not None:
-        return 128 + outcome.signum
+        return outcome, 128 + outcome.signum, sink
     if outcome.failures:
         rank = outcome.failures[0][0]
-        returncodes = {r: proc.returncode for r, proc in enumerate(procs)}
-        sink.message(
-            format_failure(outcome.failures, returncodes, outputs[rank].stderr_tail(), spec.cmd)
-        )
-        return exit_code(outcome.failures[0][1])
-    return 0
+        returncodes = {r: proc.returncode for r, proc in zip(spec.ranks, procs, strict=True)}
+        tail = outputs[spec.ranks.index(rank)].stderr_tail()
+        sink.message(format_failure(outcome.failures, returncodes, tail, spec.cmd))
+        return outcome, exit_code(outcome.failures[0][1]), sink
+    return outcome, 0, sink
+
+
+def _watch_stdin(received: list[int], sink: Sink) -> None:
+    """A thread that turns end of file on stdin into a SIGHUP for the supervisor."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while sys.stdin.buffer.read(4096):
+                pass
+        sink.message("shardax launch: stdin closed: the launcher that started this node is gone")
+        received.append(int(getattr(signal, "SIGHUP", signal.SIGTERM)))
+
+    threading.Thread(target=watch, name="shardax-launch-stdin", daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -228,19 +305,26 @@ def _dismiss_guard(guard: subprocess.Popen | None) -> None:
         guard.wait()
 
 
-def _spawn_all(cmd: Sequence[str], envs: Sequence[dict[str, str]]) -> list[subprocess.Popen]:
-    """Start one process per environment, each in its own session."""
+def _spawn_all(
+    cmds: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str] | None],
+    stdin_pipes: Sequence[bool] | None = None,
+    what: str = "rank",
+) -> list[subprocess.Popen]:
+    """Start one process per command and environment (None: this one's),
+    each in its own session; stdin is /dev/null, or a pipe we hold open."""
     # preexec_fn is unsafe once threads exist; then the watchdog alone covers
     # the launcher's death.
     preexec = _die_with_parent() if threading.active_count() == 1 else None
+    pipes = stdin_pipes or [False] * len(cmds)
     procs: list[subprocess.Popen] = []
     try:
-        for env in envs:
+        for cmd, env, pipe in zip(cmds, envs, pipes, strict=True):
             procs.append(
                 subprocess.Popen(
                     list(cmd),
                     env=env,
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.PIPE if pipe else subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
@@ -250,12 +334,13 @@ def _spawn_all(cmd: Sequence[str], envs: Sequence[dict[str, str]]) -> list[subpr
     except (OSError, subprocess.SubprocessError) as e:
         _stop(procs, 0.0, [])
         for proc in procs:
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise LaunchError(
-            f"could not start rank {len(procs)} of {len(envs)}: {shlex.join(cmd)}: {reason}"
+            f"could not start {what} {len(procs)} of {len(cmds)}: "
+            f"{shlex.join(cmds[len(procs)])}: {reason}"
         ) from e
     return procs
 
@@ -346,10 +431,19 @@ def _reap(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def _supervise(
-    procs: Sequence[subprocess.Popen], received: list[int], grace: float, sink: Sink
+    procs: Sequence[subprocess.Popen],
+    ranks: Sequence[int],
+    received: list[int],
+    grace: float,
+    sink: Sink,
+    names: Sequence[str] | None = None,
 ) -> _Outcome:
     """Wait until every rank exited 0, a rank failed, or a stop signal came;
-    stop what is left; reap every rank."""
+    stop what is left; reap every rank. ``names`` (default ``rank k``) name
+    the processes in messages: the driver of several nodes supervises one
+    process per node the same way."""
+    label = dict(zip(ranks, names, strict=True)) if names else {r: f"rank {r}" for r in ranks}
+    kind = "process(es)" if names else "rank(s)"
     exited: dict[int, int] = {}
     while True:
         if received:
@@ -357,12 +451,12 @@ def _supervise(
             running = len(procs) - len(exited)
             sink.message(
                 f"shardax launch: got {signal.Signals(signum).name}, stopping {running} "
-                f"running rank(s) (SIGTERM, SIGKILL after {grace:g} s)"
+                f"running {kind} (SIGTERM, SIGKILL after {grace:g} s)"
             )
             _stop(procs, grace, received, seen=1)  # a second signal: SIGKILL now
             return _Outcome(signum=signum)
         failures = []
-        for rank, proc in enumerate(procs):
+        for rank, proc in zip(ranks, procs, strict=True):
             if rank not in exited and (code := _exit_status(proc)) is not None:
                 exited[rank] = code
                 if code != 0:
@@ -370,17 +464,19 @@ def _supervise(
         if failures:
             rank, code = failures[0]
             running = len(procs) - len(exited)
-            stopping = f"; stopping {running} other running rank(s)" if running else ""
+            stopping = f"; stopping {running} other running {kind}" if running else ""
             sink.message(
-                f"shardax launch: rank {rank} failed ({describe_returncode(code)}){stopping}"
+                f"shardax launch: {label[rank]} failed ({describe_returncode(code)}){stopping}"
             )
             _stop(procs, grace, received)
             return _Outcome(failures=tuple(failures))
         if len(exited) == len(procs):
             live = _live_groups({proc.pid for proc in procs})
             if live:  # a rank exited 0 but left children in its group
-                left = [rank for rank, proc in enumerate(procs) if proc.pid in live]
-                sink.message(f"shardax launch: stopping processes left behind by rank(s) {left}")
+                left = [rank for rank, proc in zip(ranks, procs, strict=True) if proc.pid in live]
+                sink.message(
+                    f"shardax launch: stopping processes left behind by {', '.join(label[r] for r in left)}"
+                )
                 _stop(procs, grace, received)
             _reap(procs)
             return _Outcome()

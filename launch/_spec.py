@@ -3,8 +3,8 @@
 This module only *describes* a launch: a :class:`LaunchSpec` value and the
 pure function :func:`rank_env` that turns it into one rank's environment. It
 spawns nothing (that is ``_launcher``) and reads no output (that is
-``_stream``), so a later multi-node launcher (hostfile, ssh/pdsh/Slurm) can
-reuse it unchanged.
+``_stream``); a multi-node job is one such launch per node, each with its
+``node_rank`` (``_nodes`` and ``_multinode`` say how they are started).
 
 The environment follows torchrun's contract, so code written for
 ``torch.distributed.init_process_group("env://")`` runs as is.
@@ -27,7 +27,16 @@ import attrs
 
 from ..errors import LaunchError
 
-__all__ = ["LaunchSpec", "cpu_count", "free_port", "rank_command", "rank_env", "validate_ranks"]
+__all__ = [
+    "LaunchSpec",
+    "cpu_count",
+    "free_port",
+    "is_loopback",
+    "rank_command",
+    "rank_env",
+    "validate_ranks",
+    "visible_devices",
+]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -73,10 +82,42 @@ def _check_port(instance: LaunchSpec, attribute: attrs.Attribute, value: int) ->
         )
 
 
+def _check_nodes(instance: LaunchSpec, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LaunchError(f"num_nodes must be an integer >= 1, got {value!r}")
+
+
+def _check_node_rank(instance: LaunchSpec, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < instance.num_nodes:
+        raise LaunchError(
+            f"node_rank must be an integer in 0..{instance.num_nodes - 1} for num_nodes="
+            f"{instance.num_nodes}, got {value!r}"
+        )
+
+
+def _to_devices(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
+def _check_devices(
+    instance: LaunchSpec, attribute: attrs.Attribute, value: tuple[int, ...] | None
+) -> None:
+    if value is None:
+        return
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in value):
+        raise LaunchError(f"devices must be device indices >= 0, got {value!r}")
+    if len(value) != instance.nproc_per_node:
+        raise LaunchError(
+            f"{len(value)} devices {list(value)} for nproc_per_node={instance.nproc_per_node}: "
+            "give one device per rank"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class LaunchSpec:
-    """What to start: the command every rank runs, how many ranks, and where
-    rank 0 listens for the rendezvous.
+    """What to start on this node: the command every rank runs, how many
+    ranks, where rank 0 listens for the rendezvous, and which node of how
+    many this is.
 
     Attributes:
         cmd: The full argv each rank runs (the same for every rank), e.g.
@@ -84,9 +125,16 @@ class LaunchSpec:
         nproc_per_node: The number of ranks to start on this machine.
         master_addr: The address rank 0's ``torch.distributed`` store binds.
         master_port: The port of that store (see :func:`free_port`).
+        num_nodes: The number of nodes in the job, each running
+            ``nproc_per_node`` ranks.
+        node_rank: This node's index: its ranks are
+            ``node_rank * nproc_per_node + local_rank``.
+        devices: The node's device slots the ranks use, one per rank (from
+            ``--include host:0,1``): they become ``CUDA_VISIBLE_DEVICES``,
+            picked from an existing ``CUDA_VISIBLE_DEVICES`` by position.
 
     >>> LaunchSpec(cmd=["python", "t.py"], nproc_per_node=2, master_port=29500)
-    LaunchSpec(cmd=('python', 't.py'), nproc_per_node=2, master_addr='127.0.0.1', master_port=29500)
+    LaunchSpec(cmd=('python', 't.py'), nproc_per_node=2, master_addr='127.0.0.1', master_port=29500, num_nodes=1, node_rank=0, devices=None)
     >>> try:
     ...     LaunchSpec(cmd=["python", "t.py"], nproc_per_node=0, master_port=29500)
     ... except LaunchError as e:
@@ -98,15 +146,30 @@ class LaunchSpec:
     nproc_per_node: int = attrs.field(validator=_check_nproc)
     master_addr: str = attrs.field(default=DEFAULT_MASTER_ADDR, validator=_check_addr)
     master_port: int = attrs.field(validator=_check_port)
+    num_nodes: int = attrs.field(default=1, validator=_check_nodes)
+    node_rank: int = attrs.field(default=0, validator=_check_node_rank)
+    devices: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_to_devices, validator=_check_devices
+    )
 
     @property
     def world_size(self) -> int:
-        """The number of ranks in the job (one node for now).
+        """The number of ranks in the job, on all nodes.
 
-        >>> LaunchSpec(cmd=["t"], nproc_per_node=4, master_port=1).world_size
-        4
+        >>> LaunchSpec(cmd=["t"], nproc_per_node=4, master_port=1, num_nodes=2).world_size
+        8
         """
-        return self.nproc_per_node
+        return self.num_nodes * self.nproc_per_node
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks this node runs.
+
+        >>> LaunchSpec(cmd=["t"], nproc_per_node=2, master_port=1, num_nodes=2, node_rank=1).ranks
+        range(2, 4)
+        """
+        first = self.node_rank * self.nproc_per_node
+        return range(first, first + self.nproc_per_node)
 
 
 def free_port(host: str = "") -> int:
@@ -147,12 +210,15 @@ def rank_env(spec: LaunchSpec, local_rank: int, base_env: Mapping[str, str]) -> 
 
     Always set (overriding ``base_env``): ``RANK``, ``LOCAL_RANK``,
     ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` and ``NODE_RANK``
-    (both 0: one node), ``MASTER_ADDR``, ``MASTER_PORT``,
+    (the node's index), ``MASTER_ADDR``, ``MASTER_PORT``,
     ``SHARDAX_LAUNCHED=1`` and ``PYTHONUNBUFFERED=1`` (so output and
-    tracebacks reach the launcher as they happen).
+    tracebacks reach the launcher as they happen); with ``spec.devices``,
+    ``CUDA_VISIBLE_DEVICES`` (those slots; an existing
+    ``CUDA_VISIBLE_DEVICES`` is narrowed by position, never replaced).
 
-    Set only where ``base_env`` lacks them: ``GLOO_SOCKET_IFNAME=lo`` (all
-    ranks are local), ``OMP_NUM_THREADS`` = max(1, cpu_count() //
+    Set only where ``base_env`` lacks them: ``GLOO_SOCKET_IFNAME=lo`` (when
+    the rendezvous address is a loopback one: every rank is local),
+    ``OMP_NUM_THREADS`` = max(1, cpu_count() //
     nproc_per_node), so N ranks do not each start one thread per CPU, and
     ``THP_MEM_ALLOC_ENABLE=1``, so torch backs large CPU tensors with huge
     pages (a fresh 32 MiB buffer — every collective's output — then costs a
@@ -185,24 +251,57 @@ def rank_env(spec: LaunchSpec, local_rank: int, base_env: Mapping[str, str]) -> 
             f"local_rank {local_rank} is out of range for nproc_per_node="
             f"{spec.nproc_per_node} (valid: 0..{spec.nproc_per_node - 1})"
         )
-    node_rank = 0  # one node; a multi-node launcher passes its own
     env = dict(base_env)
+    if spec.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(spec.devices, base_env)
     env.update(
-        RANK=str(node_rank * spec.nproc_per_node + local_rank),
+        RANK=str(spec.ranks[local_rank]),
         LOCAL_RANK=str(local_rank),
         WORLD_SIZE=str(spec.world_size),
         LOCAL_WORLD_SIZE=str(spec.nproc_per_node),
-        GROUP_RANK=str(node_rank),
-        NODE_RANK=str(node_rank),
+        GROUP_RANK=str(spec.node_rank),
+        NODE_RANK=str(spec.node_rank),
         MASTER_ADDR=spec.master_addr,
         MASTER_PORT=str(spec.master_port),
         SHARDAX_LAUNCHED="1",
         PYTHONUNBUFFERED="1",
     )
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if is_loopback(spec.master_addr):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // spec.nproc_per_node)))
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return env
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` names this machine's loopback interface.
+
+    >>> is_loopback("127.0.0.1"), is_loopback("localhost"), is_loopback("10.0.0.5")
+    (True, True, False)
+    """
+    return addr in ("localhost", "::1") or addr.startswith("127.")
+
+
+def visible_devices(devices: Sequence[int], base_env: Mapping[str, str]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the node's device ``devices``: those
+    indices, or — when the node already restricts the visible devices (a
+    Slurm allocation, a container) — the devices at those positions of its
+    list, which is never replaced wholesale.
+
+    >>> visible_devices([0, 1], {}), visible_devices([1], {"CUDA_VISIBLE_DEVICES": "4,5,6"})
+    ('0,1', '5')
+    """
+    given = base_env.get("CUDA_VISIBLE_DEVICES")
+    if given is None or not given.strip():
+        return ",".join(map(str, devices))
+    visible = [d.strip() for d in given.split(",") if d.strip()]
+    beyond = [d for d in devices if d >= len(visible)]
+    if beyond:
+        raise LaunchError(
+            f"device slots {beyond} do not exist here: CUDA_VISIBLE_DEVICES={given!r} makes "
+            f"{len(visible)} device(s) visible, slots 0..{len(visible) - 1}"
+        )
+    return ",".join(visible[d] for d in devices)
 
 
 def rank_command(

@@ -14,6 +14,7 @@ shown, so a rank never blocks on a full pipe.
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import sys
@@ -99,15 +100,24 @@ class RankOutput:
         sink: Where lines go.
         show: Whether this rank's lines are re-emitted; the stderr tail is
             kept either way.
+        label: The prefix instead of ``[rank k] `` (a node's name, when the
+            process is a node's launcher).
     """
 
     def __init__(
-        self, rank: int, stdout: IO[bytes], stderr: IO[bytes], *, sink: Sink, show: bool
+        self,
+        rank: int,
+        stdout: IO[bytes],
+        stderr: IO[bytes],
+        *,
+        sink: Sink,
+        show: bool,
+        label: str | None = None,
     ) -> None:
         self.rank = rank
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._tail_lock = threading.Lock()
-        prefix = f"[rank {rank}] ".encode()
+        prefix = (f"[rank {rank}] " if label is None else label).encode()
         self._threads = [
             threading.Thread(
                 target=self._pump,
@@ -152,6 +162,9 @@ class RankOutput:
             pipe.close()
 
 
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ")
+
+
 def _is_head(line: str) -> bool:
     return line.startswith(TRACEBACK_HEAD) or line.lstrip(" +").startswith(_GROUP_HEAD)
 
@@ -180,8 +193,13 @@ def extract_traceback(lines: Sequence[str]) -> list[str]:
     ['Traceback (most recent call last):', 'KeyError: 1']
     >>> extract_traceback(["Segmentation fault"])
     []
+
+    torch.distributed's ``[rank3]: `` line prefix (its excepthook's) is dropped:
+
+    >>> extract_traceback(["[rank3]: Traceback (most recent call last):", "[rank3]: KeyError: 1"])
+    ['Traceback (most recent call last):', 'KeyError: 1']
     """
-    lines = list(lines)
+    lines = [_TORCH_PREFIX.sub("", line, count=1) for line in lines]
     start = _last_head(lines, len(lines))
     if start is None:
         return []
