@@ -27,5 +27,17 @@ main.add_command(launch_command, "launch")
 main.add_command(ckpt_command, "ckpt")
 
 
+@main.command("report")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def report_command(as_json: bool) -> None:
+    """What this machine gives shardax: Python, torch, CUDA/NCCL/CuPy, GPUs,
+    collective transports (and why one is unusable), the native-kernel
+    toolchain, /dev/shm, CPU and memory, relevant environment variables.
+    Never fails: a probe that breaks becomes a line saying why."""
+    from .report import report_command_impl
+
+    click.echo(report_command_impl(as_json))
+
+
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ PAGES = [
     "docs/ckpt.md",
     "docs/tensor_parallel.md",
     "docs/ulysses.md",
+    "docs/report.md",
 ]
 
 

@@ -232,6 +232,7 @@ SURFACE = {
 CLI = {
     "shardax": ["--version"],
     "shardax ckpt": [],
+    "shardax report": ["--json"],
     "shardax ckpt consolidate": ["--buffer-mib", "--dtype", "--force", "--only", "--quiet", "-q"],
     "shardax ckpt import": [
         "--buffer-mib",
