@@ -16,12 +16,14 @@ tensor([[0., 1.],
 
 from . import ckpt as ckpt
 from . import collectives as collectives
+from . import config as config
 from . import data as data
 from . import optim as optim
 from . import rules as rules
 from .errors import CheckpointError as CheckpointError
 from .errors import CollectiveError as CollectiveError
 from .errors import CollectiveTimeoutError as CollectiveTimeoutError
+from .errors import ConfigError as ConfigError
 from .errors import LaunchError as LaunchError
 from .errors import MeshError as MeshError
 from .errors import ShardingError as ShardingError
@@ -62,6 +64,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "Layout",
+    "ConfigError",
     "LaunchError",
     "Mesh",
     "MeshError",
@@ -77,6 +80,7 @@ __all__ = [
     "apply",
     "ckpt",
     "collectives",
+    "config",
     "data",
     "explain",
     "gather",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import click
 
 from .ckpt._cli import ckpt_command
+from .config import _config_cli
 from .launch._cli import launch_command
 
 __all__ = ["main"]
@@ -25,6 +26,7 @@ def main() -> None:
 
 main.add_command(launch_command, "launch")
 main.add_command(ckpt_command, "ckpt")
+main.add_command(_config_cli(), "config")
 
 
 @main.command("report")

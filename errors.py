@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "ConfigError",
     "LaunchError",
     "MeshError",
     "ShardingError",
@@ -54,3 +55,9 @@ class CheckpointError(ValueError):
 
 class LaunchError(RuntimeError):
     """``shardax launch`` could not start or supervise the ranks."""
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used as written: an unknown key (named
+    with its section and the keys allowed there), a bad value, batch sizes
+    that do not add up (all three named with the data-parallel size)."""

@@ -110,6 +110,12 @@ PRESETS: dict[str, GPTConfig] = {
 """Named configurations: ``tiny``, ``small``, ``bench`` and ``wide``."""
 
 
+def small() -> GPT:
+    """The README's model (``PRESETS["small"]``), e.g. for ``shardax config
+    check run.hjson --model examples/gpt.py:small``."""
+    return GPT(PRESETS["small"])
+
+
 def param_count(cfg: GPTConfig) -> int:
     """Number of distinct parameters of ``GPT(cfg)`` (a tied head counted once).
 

@@ -25,6 +25,13 @@ state, with the step and every rank's RNG state, into
 not stopped. Turn one into a plain safetensors file of the weights with
 
     shardax ckpt consolidate checkpoints/train_gpt/step-00000300 gpt.safetensors --only params
+
+A run config (``--config run.hjson``, see ``docs/config.md``; ``shardax
+config from-deepspeed ds_config.json`` converts a DeepSpeed one) sets the
+mesh, ZeRO stage, optimizer, schedule, precision (fp16 with dynamic loss
+scaling too), batch sizes with gradient accumulation, checkpointing and
+logging; flags given on the command line override it. Without one, the
+flags make the config.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -48,7 +55,7 @@ import shardax as sx
 from shardax import P
 
 OPTIMIZERS = ["adamw", "adam", "lion", "sgd"]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -72,25 +79,6 @@ def parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
-def make_optimizer(
-    name: str, lr: Callable[[int], float], weight_decay: float, clip: float | None
-) -> sx.optim.GradientTransformation:
-    """The optimizer ``name`` on the schedule ``lr``, after global-norm clipping."""
-    if name == "adamw":
-        inner = sx.optim.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay)
-    elif name == "adam":
-        inner = sx.optim.adam(lr, b1=0.9, b2=0.95, eps=1e-8)
-    elif name == "lion":
-        inner = sx.optim.lion(lr, weight_decay=weight_decay)
-    elif name == "sgd":
-        inner = sx.optim.sgd(lr, momentum=0.9)
-    else:
-        raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
-    if clip is None:
-        return inner
-    return sx.optim.chain(sx.optim.clip_by_global_norm(clip), inner)
-
-
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over ``[B, T]`` targets (computed in fp32)."""
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -103,10 +91,11 @@ def evaluate(model: GPT, params: dict, batches: list[dict], mesh: sx.Mesh) -> fl
     return float(sx.collectives.pmean(total / len(batches), "dp", mesh=mesh))
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--config", type=Path, help="a run config (hjson); flags override it")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--zero", type=int, choices=range(4), default=3, help="ZeRO stage")
     parser.add_argument("--mesh", type=parse_mesh, default={"dp": -1}, help="e.g. dp=-1")
@@ -141,7 +130,61 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--sample-tokens", type=int, default=200)
     parser.add_argument("--prompt", default="ROMEO:")
+    return parser
+
+
+# flag → (section, key) of the run config it sets
+CONFIG_FLAGS = {
+    "mesh": ("", "mesh"),
+    "steps": ("", "steps"),
+    "seed": ("", "seed"),
+    "zero": ("parallel", "zero"),
+    "optimizer": ("optimizer", "type"),
+    "lr": ("optimizer", "lr"),
+    "weight_decay": ("optimizer", "weight_decay"),
+    "clip": ("optimizer", "clip_global_norm"),
+    "warmup": ("schedule", "warmup_steps"),
+    "precision": ("precision", "params"),
+    "batch_size": ("batch", "global"),
+    "log_every": ("monitor", "log_every"),
+    "out": ("checkpoint", "dir"),
+    "save_every": ("checkpoint", "every"),
+    "keep": ("checkpoint", "keep"),
+}
+
+
+def run_config(args: argparse.Namespace, given: set[str]) -> sx.config.RunConfig:
+    """The run: the flags' own config, or ``--config``'s with the flags
+    given on the command line written over it."""
+    if args.config is None:
+        data: dict = {
+            "optimizer": {"betas": [0.9, 0.95], "momentum": 0.9 if args.optimizer == "sgd" else 0},
+            "schedule": {"type": "warmup_cosine", "end_lr": args.lr / 10},
+            "batch": {"accumulation": 1},
+        }
+        flags = CONFIG_FLAGS
+    else:
+        data = sx.config.load_config(args.config).to_dict()
+        flags = {k: v for k, v in CONFIG_FLAGS.items() if k in given}
+        if "batch_size" in given:  # a new global batch: the micro batch follows from it
+            data["batch"]["micro"] = None
+        if "lr" in given and data["schedule"]["type"] == "warmup_cosine":
+            data["schedule"]["end_lr"] = args.lr / 10
+    for flag, (section, key) in flags.items():
+        value = getattr(args, flag)
+        value = (
+            str(value) if isinstance(value, Path) else (value or None) if flag == "clip" else value
+        )
+        (data.setdefault(section, {}) if section else data)[key] = value
+    return sx.config.RunConfig.from_dict(data, str(args.config or "the command line"))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    probe = build_parser()
+    probe.set_defaults(**dict.fromkeys(vars(args)))
+    args.given = {k for k, v in vars(probe.parse_args(argv)).items() if v is not None}
     if args.steps < 1 or args.batch_size < 1 or args.log_every < 1 or args.eval_batches < 0:
         parser.error("--steps, --batch-size and --log-every must be positive")
     if args.save_every < 0 or args.keep < 1:
@@ -152,13 +195,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.warmup = min(30, args.steps // 10)
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup must be in [0, --steps={args.steps})")
+    try:
+        args.run = run_config(args, args.given)
+    except sx.config.ConfigError as err:
+        parser.error(str(err))
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    run = args.run
     info = sx.init()
-    mesh = sx.Mesh(args.mesh)
+    mesh = sx.Mesh(run.mesh)
     rank = info.rank
 
     def say(*lines: object) -> None:
@@ -166,78 +214,98 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(*lines, sep="\n", flush=True)
 
     cfg = PRESETS[args.preset]
+    batch = run.batch.resolve(run.dp_size(info.world_size))
+    steps, accumulation = run.steps, batch.accumulation
     train = sx.data.TextDataset.tinyshakespeare(cfg.seq_len, split="train")
     val = sx.data.TextDataset.tinyshakespeare(cfg.seq_len, split="val")
-    sampler = sx.data.Sampler(len(train), args.batch_size, mesh, P("dp"), seed=args.seed)
+    micro_global = batch.global_size // accumulation  # sequences per micro-step, all ranks
+    sampler = sx.data.Sampler(len(train), micro_global, mesh, P("dp"), seed=run.seed)
+    precision = run.precision.params
     say(
         f"{mesh} on {info.world_size} rank(s); GPT {args.preset}: "
-        f"{param_count(cfg) / 1e6:.2f}M params; ZeRO-{args.zero}, {args.optimizer}, "
-        f"{args.precision}, global batch {args.batch_size} x {cfg.seq_len} tokens",
+        f"{param_count(cfg) / 1e6:.2f}M params; ZeRO-{run.parallel.zero}, {run.optimizer.type}, "
+        f"{precision}, global batch {batch.global_size} x {cfg.seq_len} tokens"
+        + (f" in {accumulation} micro-steps" if accumulation > 1 else ""),
         f"unigram baseline (a model that ignores context): {train.unigram_entropy():.3f} nats/byte",
     )
 
     with torch.device("meta"):
         model = GPT(cfg)
-    torch.manual_seed(args.seed)
-    params = sx.init_params(model, mesh, sx.rules.zero(args.zero, axis="dp"))
-    schedule = sx.optim.warmup_cosine_decay_schedule(
-        args.lr, args.warmup, args.steps, end_value=args.lr / 10
-    )
-    opt = make_optimizer(args.optimizer, schedule, args.weight_decay, args.clip or None)
-    dtype = DTYPES[args.precision]
-    if dtype != torch.float32:  # compute in bf16; fp32 master weights in the optimizer state
+    torch.manual_seed(run.seed)
+    params = sx.init_params(model, mesh, run.make_rules())
+    schedule = run.make_schedule()
+    opt = run.make_optimizer(accumulation)
+    dtype = DTYPES[precision]
+    if dtype != torch.float32:  # compute in bf16/fp16; fp32 master weights in the optimizer state
         params = {k: v.with_local(v.local.to(dtype)) for k, v in params.items()}
-        opt = sx.optim.with_master_weights(opt)
+    loss_scale = run.make_loss_scale()  # fp16: dynamic loss scaling
     opt_state = opt.init(params)
 
+    ckpt = run.checkpoint
     manager = sx.ckpt.CheckpointManager(
-        args.out, every=args.save_every or args.steps, keep=args.keep, async_save=True
+        ckpt.dir, every=ckpt.every or steps, keep=ckpt.keep, async_save=ckpt.async_save
     )
-    run = {"preset": args.preset, "config": attrs.asdict(cfg), "seed": args.seed}
+    meta = {"preset": args.preset, "config": attrs.asdict(cfg), "seed": run.seed}
     start = 0
     if args.resume:
         restored = manager.restore({"params": params, "opt_state": opt_state, "step": 0})
         if restored is None:
-            say(f"no checkpoint in {args.out}: starting from step 0")
+            say(f"no checkpoint in {ckpt.dir}: starting from step 0")
         else:
             start, state = restored
             params, opt_state = state["params"], state["opt_state"]
             say(f"resumed from {manager.path(start)}")
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
 
-    def loss_fn(params: dict, batch: dict) -> torch.Tensor:
-        return cross_entropy(sx.apply(model, params, batch["x"]), batch["y"])
+    def loss_fn(params: dict, batch: dict, scale: float) -> torch.Tensor:
+        return cross_entropy(sx.apply(model, params, batch["x"]), batch["y"]) * scale
 
-    grad_fn = sx.value_and_grad(loss_fn)
-    tokens_per_step = args.batch_size * cfg.seq_len
+    grad_fn = sx.value_and_grad(loss_fn, bucket_bytes=run.parallel.bucket_bytes)
+    log_every = run.monitor.log_every
+    tokens_per_step = batch.global_size * cfg.seq_len
     started = last = time.perf_counter()
-    steps = sx.data.batches(train, sampler, start_step=start, num_steps=args.steps - start)
-    for step, batch in enumerate(steps, start + 1):
-        loss, grads = grad_fn(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = sx.optim.apply_updates(params, updates)
+    micro_steps = sx.data.batches(
+        train, sampler, start_step=start * accumulation, num_steps=(steps - start) * accumulation
+    )
+    for i, micro in enumerate(micro_steps):
+        scale = loss_scale.scale if loss_scale is not None else 1.0
+        loss, grads = grad_fn(params, micro, scale)
+        loss = loss / scale
+        finite = True
+        if loss_scale is not None:  # fp16: unscale; an overflow on any rank skips the update
+            grads, loss_scale = loss_scale.unscale_and_adjust(grads)
+            finite = loss_scale.finite
+            if not finite and accumulation > 1:  # keep the accumulation window: add nothing
+                grads = {k: g.with_local(torch.zeros_like(g.local)) for k, g in grads.items()}
+        if finite or accumulation > 1:
+            updates, opt_state = opt.update(grads, opt_state, params)
+            params = sx.optim.apply_updates(params, updates)
+        if (i + 1) % accumulation:
+            continue
+        step = start + (i + 1) // accumulation
         state = {"params": params, "opt_state": opt_state, "step": step}
-        manager.save(step, state, metadata=run, force=step == args.steps)
+        manager.save(step, state, metadata=meta, force=step == steps)
         if metrics is not None:
             metrics.write(json.dumps({"step": step, "loss": float(loss), "lr": schedule(step - 1)}))
             metrics.write("\n")
             metrics.flush()
-        if step % args.log_every == 0 or step == args.steps:
+        if step % log_every == 0 or step == steps:
             now = time.perf_counter()
-            steps_done = args.log_every if step % args.log_every == 0 else step % args.log_every
+            steps_done = log_every if step % log_every == 0 else step % log_every
+            skipped = f"  loss scale {loss_scale.scale:g}" if loss_scale is not None else ""
             say(
                 f"step {step:>5}  loss {float(loss):.4f}  lr {schedule(step - 1):.2e}  "
-                f"{tokens_per_step * steps_done / (now - last):,.0f} tokens/s"
+                f"{tokens_per_step * steps_done / (now - last):,.0f} tokens/s{skipped}"
             )
             last = now
     elapsed = time.perf_counter() - started
     if metrics is not None:
         metrics.close()
 
-    val_sampler = sx.data.Sampler(len(val), args.batch_size, mesh, P("dp"), shuffle=False)
+    val_sampler = sx.data.Sampler(len(val), micro_global, mesh, P("dp"), shuffle=False)
     val_batches = list(sx.data.batches(val, val_sampler, num_steps=args.eval_batches))
     val_loss = evaluate(model, params, val_batches, mesh) if val_batches else float("nan")
-    say(f"val loss {val_loss:.4f} after {args.steps} steps in {elapsed:.0f} s")
+    say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
 
     manager.wait()
     if manager.latest() is not None:
@@ -251,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.sample_tokens,
             temperature=0.8,
             top_k=40,
-            generator=torch.Generator().manual_seed(args.seed),
+            generator=torch.Generator().manual_seed(run.seed),
             context=cfg.seq_len,
         )
         say("sample:", sx.data.TextDataset.decode(out[0]))

@@ -20,6 +20,7 @@ PAGES = [
     "docs/tensor_parallel.md",
     "docs/ulysses.md",
     "docs/report.md",
+    "docs/config.md",
 ]
 
 

@@ -1,0 +1,299 @@
+"""Run configs: parsing with one source of defaults and clear errors; batch
+sizes where any two give the third; the calls a config turns into; the
+DeepSpeed importer on real DeepSpeed configs (the shared ones, and
+representative ones from DeepSpeed's docs written here); ``shardax config``;
+and a converted config training the example GPT on 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import shardax as sx
+from shardax.cli import main
+from shardax.config import (
+    BatchConfig,
+    ConfigError,
+    ResolvedBatch,
+    RunConfig,
+    from_deepspeed,
+    load_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DS_DIR = ROOT.parent / "shared" / "data" / "deepspeed-configs"
+DS_FILES = sorted(DS_DIR.glob("*.json")) if DS_DIR.is_dir() else []
+
+# Representative configs from DeepSpeed's docs and tutorials (config-json,
+# the learning-rate-schedule and ZeRO-offload tutorials, the monitor docs).
+DS_DOCS = {
+    "zero3-offload-auto": {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu"},
+            "reduce_bucket_size": "auto",
+        },
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}},
+    },
+    "fp16-warmup-decay": {
+        "train_batch_size": 64,
+        "gradient_accumulation_steps": 4,
+        "fp16": {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 12,
+            "loss_scale_window": 500,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "optimizer": {"type": "Adam", "params": {"lr": 2e-4, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": 0,
+                "warmup_max_lr": 2e-4,
+                "warmup_num_steps": 100,
+                "total_num_steps": 1000,
+                "warmup_type": "linear",
+            },
+        },
+        "tensorboard": {"enabled": True, "output_path": "logs/", "job_name": "gpt"},
+        "csv_monitor": {"enabled": True, "output_path": "logs/", "job_name": "gpt"},
+        "wandb": {"enabled": True, "project": "x"},
+    },
+    "cosine": {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": 500,
+                "warmup_num_steps": 50,
+                "warmup_min_ratio": 0.1,
+                "cos_min_ratio": 0.01,
+            },
+        },
+        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
+    },
+    "one-cycle": {
+        "train_batch_size": 16,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}},
+        "scheduler": {
+            "type": "OneCycle",
+            "params": {
+                "cycle_first_step_size": 100,
+                "cycle_min_lr": 1e-4,
+                "cycle_max_lr": 1e-2,
+                "decay_lr_rate": 0.001,
+                "cycle_momentum": True,
+                "cycle_min_mom": 0.85,
+                "cycle_max_mom": 0.99,
+            },
+        },
+        "steps_per_print": 50,
+        "wall_clock_breakdown": True,
+    },
+}
+
+
+def test_defaults_come_from_the_classes_and_unknown_keys_are_errors():
+    config = RunConfig.from_text("{}")
+    assert config == RunConfig()
+    assert config.parallel.zero == 0 and config.mesh == {"dp": -1}
+    for text, message in [
+        ("zero: 3", r"unknown key zero; the top level takes batch, checkpoint, mesh"),
+        ("parallel: {zeros: 3}", r"unknown key parallel.zeros \(did you mean 'zero'\?\)"),
+        ("parallel: {zero: 4}", r"ZeRO stage 0\.\.3; got 4"),
+        ('optimizer: {type: "adamx"}', r"type is one of .*got 'adamx' \(did you mean 'adam'\?\)"),
+        ("optimizer: {lr: -1}", r"lr must be positive"),
+        ('mesh: {dp: "two"}', r"mesh.dp: an axis size is an integer"),
+        ('monitor: {writers: ["stdout", "wandb"]}', r"writers is one of"),
+        ("parallel: {sequence_parallel: true}", r"needs parallel.tp"),
+        ("{ oops", r"not valid hjson"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            RunConfig.from_text(text, "run.hjson")
+
+
+def test_hjson_comments_and_round_trip(tmp_path):
+    path = tmp_path / "run.hjson"
+    path.write_text(
+        '// a comment\nmesh: {dp: -1, tp: 2}\nparallel: {zero: 1, tp: "tp"}\n'
+        "batch: {\n  global: 32  # sequences per step\n  accumulation: 2\n}\n"
+    )
+    config = load_config(path)
+    assert config.mesh == {"dp": -1, "tp": 2}
+    assert RunConfig.from_dict(config.to_dict()) == config
+    assert config.batch.resolve(config.dp_size(8)) == ResolvedBatch(32, 4, 2)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.hjson")
+
+
+def test_any_two_batch_sizes_give_the_third():
+    assert BatchConfig(global_size=64, micro=4).resolve(4) == ResolvedBatch(64, 4, 4)
+    assert BatchConfig(global_size=64, accumulation=2).resolve(4) == ResolvedBatch(64, 8, 2)
+    assert BatchConfig(micro=4, accumulation=2).resolve(4) == ResolvedBatch(32, 4, 2)
+    assert BatchConfig(micro=4).resolve(2) == ResolvedBatch(8, 4, 1)
+    with pytest.raises(ConfigError, match=r"global 64 != micro 4 x accumulation 2 x data-parallel "
+                       r"size 4 \(= 32\)"):  # fmt: skip
+        BatchConfig(global_size=64, micro=4, accumulation=2).resolve(4)
+    with pytest.raises(ConfigError, match="not divisible by micro 3 x data-parallel size 4"):
+        BatchConfig(global_size=64, micro=3).resolve(4)
+    with pytest.raises(ConfigError, match="needs two of global, micro and accumulation"):
+        BatchConfig(accumulation=2).resolve(4)
+
+
+def test_a_config_turns_into_calls():
+    config = RunConfig.from_dict(
+        {
+            "mesh": {"dp": 2, "tp": 2},
+            "parallel": {"zero": 3, "tp": "tp"},
+            "optimizer": {"type": "adamw", "lr": 1.0, "clip_global_norm": 1.0},
+            "schedule": {"type": "warmup_cosine", "warmup_steps": 2, "end_lr": 0.1},
+            "steps": 10,
+        }
+    )
+    mesh = config.abstract_mesh(4)
+    rules = config.make_rules()
+    assert rules.spec_for("blocks.0.mlp.fc.weight", (8, 4), mesh) == sx.P(("tp", "dp"))
+    reference = sx.optim.warmup_cosine_decay_schedule(1.0, 2, 10, end_value=0.1)
+    assert [config.make_schedule()(s) for s in range(10)] == [reference(s) for s in range(10)]
+    opt = config.make_optimizer(accumulation=2)
+    state = opt.init({"w": __import__("torch").zeros(2)})
+    assert type(state).__name__ == "MultiStepsState"
+    log = RunConfig.from_dict({"optimizer": {"lr": 1.0},
+                               "schedule": {"type": "warmup_constant", "warmup_steps": 9,
+                                            "warmup": "log"}})  # fmt: skip
+    lr = log.make_schedule()
+    assert lr(0) == 0.0 and lr(9) == 1.0 and lr(500) == 1.0
+    assert lr(4) == pytest.approx(math.log(5) / math.log(10))  # DeepSpeed's log warmup
+    fp16 = RunConfig.from_dict({"precision": {"params": "fp16", "loss_scale": 1024}})
+    assert fp16.make_loss_scale().scale == 1024.0
+    assert RunConfig().make_loss_scale() is None
+    assert "batch: global 16 = micro 8 x accumulation 1 x data-parallel 2" in RunConfig().plan(2)
+
+
+@pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])
+def test_shared_deepspeed_configs_convert(path):
+    ds = json.loads(path.read_text())
+    data, unmapped = from_deepspeed(ds)
+    config = RunConfig.from_dict(data)
+    assert config.parallel.zero == ds["zero_optimization"]["stage"]
+    precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16"
+    assert config.precision.params == precision
+    for ds_key, name in [("train_batch_size", "global_size"),
+                         ("train_micro_batch_size_per_gpu", "micro"),
+                         ("gradient_accumulation_steps", "accumulation")]:  # fmt: skip
+        if ds_key in ds:
+            assert getattr(config.batch, name) == ds[ds_key]
+    if "optimizer" in ds:
+        assert config.optimizer.lr == ds["optimizer"]["params"]["lr"]
+        assert config.optimizer.type in ("adamw", "adam")
+    if "scheduler" in ds:
+        assert config.schedule.type == "warmup_constant" and config.schedule.warmup == "log"
+        assert config.schedule.warmup_steps == ds["scheduler"]["params"]["warmup_num_steps"]
+    assert config.optimizer.clip_global_norm == ds.get("gradient_clipping")
+    assert all(why for _, why in unmapped)
+    known = {key.split(".")[0] for key, _ in unmapped}
+    assert known <= set(ds)
+
+
+def test_deepspeed_docs_configs_convert():
+    data, unmapped = from_deepspeed(DS_DOCS["zero3-offload-auto"])
+    config = RunConfig.from_dict(data)
+    assert config.parallel.zero == 3 and config.batch.global_size is None
+    assert config.batch.resolve(4) == ResolvedBatch(32, 4, 2)  # "auto": computed
+    assert config.precision.params == "fp32"  # bf16 "auto": left to the default
+    assert config.optimizer.betas == (0.9, 0.95) and config.optimizer.lr == 1e-3  # lr "auto"
+    offload = dict(unmapped)
+    assert "no CPU/NVMe offload" in offload["zero_optimization.offload_optimizer"]
+
+    data, unmapped = from_deepspeed(DS_DOCS["fp16-warmup-decay"])
+    config = RunConfig.from_dict(data)
+    assert config.precision.params == "fp16" and config.precision.loss_scale == 4096.0
+    assert config.precision.dynamic and config.precision.growth_interval == 500
+    assert config.optimizer.type == "adamw" and config.optimizer.weight_decay == 0.01
+    assert (config.schedule.type, config.schedule.total_steps) == ("warmup_linear", 1000)
+    lr = config.make_schedule()
+    assert lr(100) == pytest.approx(2e-4) and lr(550) == pytest.approx(1e-4)
+    assert config.monitor.writers == ("stdout", "tensorboard", "csv")
+    assert config.monitor.dir == "logs/gpt"
+    assert [k for k, _ in unmapped] == ["fp16.hysteresis", "fp16.min_loss_scale", "wandb"]
+
+    config = RunConfig.from_dict(from_deepspeed(DS_DOCS["cosine"])[0])
+    assert config.optimizer.type == "lamb" and config.monitor.comm
+    lr = config.make_schedule()
+    assert lr(0) == pytest.approx(1e-4) and lr(50) == pytest.approx(1e-3)
+    assert lr(500) == pytest.approx(1e-5)
+
+    data, unmapped = from_deepspeed(DS_DOCS["one-cycle"])
+    config = RunConfig.from_dict(data)
+    assert config.schedule.type == "one_cycle" and config.optimizer.lr == 1e-2
+    assert config.optimizer.momentum == 0.9 and config.monitor.log_every == 50
+    assert config.monitor.timers
+    lr = config.make_schedule()
+    assert lr(0) == pytest.approx(1e-4) and max(lr(s) for s in range(200)) == pytest.approx(1e-2)
+    assert {"scheduler.params.cycle_momentum", "scheduler.params.cycle_min_mom"} <= dict(
+        unmapped
+    ).keys()
+
+    adam = from_deepspeed({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False,
+                                                                      "weight_decay": 0.1}}})  # fmt: skip
+    assert adam[0]["optimizer"]["type"] == "adam"
+    assert "use AdamW" in dict(adam[1])["optimizer.params.weight_decay"]
+
+
+def test_config_cli(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(DS_DOCS["fp16-warmup-decay"]))
+    out = tmp_path / "run.hjson"
+    result = CliRunner().invoke(main, ["config", "from-deepspeed", str(ds), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "not mapped: wandb: no wandb writer" in result.output
+    text = out.read_text()
+    assert text.startswith("// converted from") and "//   fp16.hysteresis:" in text
+    result = CliRunner().invoke(main, ["config", "check", str(out), "--world-size", "4"])
+    assert result.exit_code == 0, result.output
+    assert "batch: global 64 = micro 4 x accumulation 4 x data-parallel 4" in result.output
+    assert "fp16 with fp32 master weights, dynamic loss scale" in result.output
+    bad = tmp_path / "bad.hjson"
+    bad.write_text("batch: {global: 10, micro: 3, accumulation: 1}\n")
+    result = CliRunner().invoke(main, ["config", "check", str(bad), "--world-size", "2"])
+    assert result.exit_code == 1 and "global 10 != micro 3 x accumulation 1" in result.output
+    model = "examples/gpt.py:small"
+    result = CliRunner().invoke(main, ["config", "check", str(out), "--model", str(ROOT / model)])
+    assert result.exit_code == 0, result.output
+    assert "wte.weight" in result.output
+
+
+def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
+    """fp16, ZeRO-2, micro 8 x 3 accumulation steps (Megatron-GPT2's
+    DeepSpeed config) on 2 ranks: the loss goes down, a checkpoint is saved."""
+    source = DS_DIR / "model_Megatron_GPT2_ds_config_func_bs8_zero2_gas3.json"
+    if not source.exists():
+        pytest.skip("the shared DeepSpeed configs are not here")
+    run = tmp_path / "run.hjson"
+    CliRunner().invoke(main, ["config", "from-deepspeed", str(source), "-o", str(run)])
+    done = subprocess.run(
+        [sys.executable, "-m", "shardax", "launch", "--nproc-per-node", "2",
+         "examples/train_gpt.py", "--config", str(run), "--preset", "tiny", "--steps", "6",
+         "--eval-batches", "0", "--sample-tokens", "0", "--out", str(tmp_path / "ckpt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ZeRO-2, adamw, fp16, global batch 48 x 64 tokens in 3 micro-steps" in done.stdout
+    losses = [float(line.split("loss ")[1].split()[0]) for line in done.stdout.splitlines()
+              if "] step " in line]  # fmt: skip
+    assert losses and losses[-1] < losses[0]
+    assert (tmp_path / "ckpt" / "step-00000006").is_dir()
