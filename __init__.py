@@ -18,6 +18,7 @@ from . import ckpt as ckpt
 from . import collectives as collectives
 from . import config as config
 from . import data as data
+from . import monitor as monitor
 from . import optim as optim
 from . import rules as rules
 from .errors import CheckpointError as CheckpointError
@@ -82,6 +83,7 @@ __all__ = [
     "collectives",
     "config",
     "data",
+    "monitor",
     "explain",
     "gather",
     "init",

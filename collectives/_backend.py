@@ -15,7 +15,7 @@ import torch
 
 from ..errors import CollectiveError
 from ._group import Group, translate_error
-from ._traffic import counting
+from ._traffic import counting, timed
 
 __all__ = ["Backend", "Handle", "Pending", "backend_names", "get_backend"]
 
@@ -144,7 +144,7 @@ def start(
         raise
     except Exception as err:
         raise translate_error(group, op, seq, err) from err
-    return Handle(group, op, seq, pending, finish)
+    return Handle(group, op, seq, pending, timed(finish, group, op))
 
 
 _BACKENDS: dict[str, Callable[[], Backend]] = {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from ._group import Group
 
-__all__ = ["Traffic", "counting", "traffic"]
+__all__ = ["Traffic", "counting", "timed", "traffic"]
 
 _ACTIVE: contextvars.ContextVar[Traffic | None] = contextvars.ContextVar(
     "shardax_traffic", default=None
@@ -44,6 +45,7 @@ class Traffic:
         self.bytes: dict[tuple[str, tuple[str, ...]], int] = {}
         self.wire: dict[tuple[str, tuple[str, ...]], float] = {}
         self.sizes: dict[tuple[str, tuple[str, ...], int], int] = {}  # calls by buffer size
+        self.seconds: dict[tuple[str, tuple[str, ...]], float] = {}  # issue → completion
 
     def add(self, op: str, axes: tuple[str, ...], nbytes: int, wire: float) -> None:
         key = (op, axes)
@@ -52,6 +54,10 @@ class Traffic:
         self.calls[key] = self.calls.get(key, 0) + 1
         self.bytes[key] = self.bytes.get(key, 0) + int(nbytes)
         self.wire[key] = self.wire.get(key, 0.0) + float(wire)
+
+    def add_time(self, op: str, axes: tuple[str, ...], seconds: float) -> None:
+        key = (op, axes)
+        self.seconds[key] = self.seconds.get(key, 0.0) + float(seconds)
 
     def total(self, op: str | None = None, axes: Sequence[str] | None = None) -> int:
         """Bytes of the collectives matching ``op`` and ``axes`` (None: any)."""
@@ -67,12 +73,15 @@ class Traffic:
         return self.sizes.get((op, tuple(axes), int(nbytes)), 0)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """``{"psum over tp": {"calls": n, "bytes": b, "wire": w}, …}`` (JSON-ready)."""
+        """``{"psum over tp": {"calls": n, "bytes": b, "wire": w, "seconds": s}, …}``
+        (JSON-ready); ``seconds`` runs from each collective's issue to its
+        completion (for one overlapped with compute, that compute too)."""
         return {
             f"{op} over {','.join(axes)}": {
                 "calls": self.calls[(op, axes)],
                 "bytes": b,
                 "wire": self.wire[(op, axes)],
+                "seconds": self.seconds.get((op, axes), 0.0),
             }
             for (op, axes), b in sorted(self.bytes.items())
         }
@@ -108,6 +117,8 @@ def traffic() -> Iterator[Traffic]:
                 outer.wire[key] = outer.wire.get(key, 0.0) + w
             for sized, n in t.sizes.items():
                 outer.sizes[sized] = outer.sizes.get(sized, 0) + n
+            for key, sec in t.seconds.items():
+                outer.seconds[key] = outer.seconds.get(key, 0.0) + sec
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -154,6 +165,23 @@ class _Counting:
 
     def barrier(self, group: Group) -> Any:
         return self._backend.barrier(group)
+
+
+def timed(finish: Any, group: Group, op: str) -> Any:
+    """``finish``, recording the time since now into the active
+    :class:`Traffic` when it runs (the collective completed)."""
+    record = _ACTIVE.get()
+    if record is None:
+        return finish
+    started = time.perf_counter()
+    axes = tuple(group.axes)
+
+    def done() -> Any:
+        result = finish()
+        record.add_time(op, axes, time.perf_counter() - started)
+        return result
+
+    return done
 
 
 def counting(backend: Any, group: Group, op: str) -> Any:

@@ -37,6 +37,7 @@ flags make the config.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -261,43 +262,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cross_entropy(sx.apply(model, params, batch["x"]), batch["y"]) * scale
 
     grad_fn = sx.value_and_grad(loss_fn, bucket_bytes=run.parallel.bucket_bytes)
-    log_every = run.monitor.log_every
     tokens_per_step = batch.global_size * cfg.seq_len
-    started = last = time.perf_counter()
-    micro_steps = sx.data.batches(
-        train, sampler, start_step=start * accumulation, num_steps=(steps - start) * accumulation
+    monitor = sx.monitor.Monitor.from_config(
+        run.monitor,
+        mesh=mesh,
+        samples_per_step=batch.global_size,
+        tokens_per_step=tokens_per_step,
+        flops_per_token=sx.monitor.transformer_flops_per_token(
+            param_count(cfg), cfg.n_layers, cfg.seq_len, cfg.d_model
+        ),
+        total_steps=steps,
     )
-    for i, micro in enumerate(micro_steps):
-        scale = loss_scale.scale if loss_scale is not None else 1.0
-        loss, grads = grad_fn(params, micro, scale)
-        loss = loss / scale
-        finite = True
-        if loss_scale is not None:  # fp16: unscale; an overflow on any rank skips the update
-            grads, loss_scale = loss_scale.unscale_and_adjust(grads)
-            finite = loss_scale.finite
-            if not finite and accumulation > 1:  # keep the accumulation window: add nothing
-                grads = {k: g.with_local(torch.zeros_like(g.local)) for k, g in grads.items()}
-        if finite or accumulation > 1:
-            updates, opt_state = opt.update(grads, opt_state, params)
-            params = sx.optim.apply_updates(params, updates)
-        if (i + 1) % accumulation:
-            continue
-        step = start + (i + 1) // accumulation
+    started = time.perf_counter()
+    micro_steps = iter(
+        sx.data.batches(
+            train,
+            sampler,
+            start_step=start * accumulation,
+            num_steps=(steps - start) * accumulation,
+        )
+    )
+    for step in range(start + 1, steps + 1):
+        with monitor.step(step):
+            for micro in itertools.islice(micro_steps, accumulation):
+                scale = loss_scale.scale if loss_scale is not None else 1.0
+                loss, grads = grad_fn(params, micro, scale)
+                loss = loss / scale
+                finite = True
+                if loss_scale is not None:  # fp16: an overflow on any rank skips the update
+                    grads, loss_scale = loss_scale.unscale_and_adjust(grads)
+                    finite = loss_scale.finite
+                    if not finite and accumulation > 1:  # keep the window: add nothing
+                        grads = {
+                            k: g.with_local(torch.zeros_like(g.local)) for k, g in grads.items()
+                        }
+                if finite or accumulation > 1:
+                    with monitor.timer("optimizer"):
+                        updates, opt_state = opt.update(grads, opt_state, params)
+                        params = sx.optim.apply_updates(params, updates)
+            monitor.log(loss=loss, lr=schedule(step - 1))
+            if loss_scale is not None:
+                monitor.log(loss_scale=loss_scale.scale)
         state = {"params": params, "opt_state": opt_state, "step": step}
         manager.save(step, state, metadata=meta, force=step == steps)
         if metrics is not None:
             metrics.write(json.dumps({"step": step, "loss": float(loss), "lr": schedule(step - 1)}))
             metrics.write("\n")
             metrics.flush()
-        if step % log_every == 0 or step == steps:
-            now = time.perf_counter()
-            steps_done = log_every if step % log_every == 0 else step % log_every
-            skipped = f"  loss scale {loss_scale.scale:g}" if loss_scale is not None else ""
-            say(
-                f"step {step:>5}  loss {float(loss):.4f}  lr {schedule(step - 1):.2e}  "
-                f"{tokens_per_step * steps_done / (now - last):,.0f} tokens/s{skipped}"
-            )
-            last = now
+    monitor.close()
     elapsed = time.perf_counter() - started
     if metrics is not None:
         metrics.close()

@@ -22,6 +22,7 @@ from typing import Any
 import optree
 import torch
 
+from .._timing import phase
 from .._tree import flatten_with_paths
 from ..errors import ShardingError
 from ._fused import Gathered, Reducer
@@ -199,14 +200,17 @@ def value_and_grad(
         world = max((m.world_size for m in meshes), default=1)
         token = _TAPE.set(tape)
         try:
-            out = fn(*new_args, **kwargs)
+            with phase("forward"):
+                out = fn(*new_args, **kwargs)
             loss, aux = out if has_aux else (out, None)
             _check_loss(loss)
-            if loss.requires_grad:
-                loss.backward(torch.full_like(loss, 1.0 / world))
+            with phase("backward"):
+                if loss.requires_grad:
+                    loss.backward(torch.full_like(loss, 1.0 / world))
         finally:
             _TAPE.reset(token)
-            tape.finish()
+            with phase("backward"):  # the last gradient reductions finish here
+                tape.finish()
         grads = [_grad_of(tape, x, t) for _, x, t in tracked]
         value = loss.detach()
         if world > 1:

@@ -21,6 +21,7 @@ PAGES = [
     "docs/ulysses.md",
     "docs/report.md",
     "docs/config.md",
+    "docs/monitor.md",
 ]
 
 

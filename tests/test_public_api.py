@@ -37,6 +37,7 @@ SURFACE = {
         "collectives",
         "config",
         "data",
+        "monitor",
         "explain",
         "gather",
         "init",
@@ -56,6 +57,7 @@ SURFACE = {
         "vocab_parallel_cross_entropy",
         "vocab_parallel_embedding",
     ],
+    "shardax.monitor": ["Monitor", "comm_rows", "peak_memory", "transformer_flops_per_token"],
     "shardax.config": [
         "BatchConfig",
         "CheckpointConfig",
