@@ -7,8 +7,10 @@ import ctypes
 import os
 import re
 import sys
+import time
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 import attrs
 import torch
@@ -277,6 +279,32 @@ def _device(backend: str | None, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _default_store() -> Any:
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _exit_together(store: Any, rank: int, world: int, timeout: float = 30.0) -> None:
+    """Rank 0's process hosts the rendezvous store; if it exits while a peer
+    still tears down its process group, that peer's gloo threads lose the
+    store and abort the process ("terminate called without an active
+    exception"). So every rank checks out through the store, and rank 0
+    returns only when all have (or after ``timeout`` seconds)."""
+    try:
+        store.add("shardax/shutdown", 1)
+        if rank != 0:
+            return
+        deadline = time.monotonic() + timeout
+        while store.add("shardax/shutdown", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.005)
+    except Exception:  # a peer already gone: nothing left to protect
+        return
+
+
 def shutdown() -> None:
     """Leave the job: wait until every rank is here (so no rank tears down its
     connections while a peer still uses them — gloo then aborts the peer),
@@ -286,6 +314,10 @@ def shutdown() -> None:
     >>> shutdown()
     """
     if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        store = _default_store() if world > 1 else None
+        if world > 1:
             dist.barrier()
         dist.destroy_process_group()
+        if store is not None:
+            _exit_together(store, rank, world)
