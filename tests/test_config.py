@@ -27,8 +27,8 @@ from shardax.config import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-DS_DIR = ROOT.parent / "shared" / "data" / "deepspeed-configs"
-DS_FILES = sorted(DS_DIR.glob("*.json")) if DS_DIR.is_dir() else []
+DS_DIR = ROOT / "tests" / "deepspeed_configs"  # copies of ../shared/data/deepspeed-configs
+DS_FILES = sorted(DS_DIR.glob("*.json"))
 
 # Representative configs from DeepSpeed's docs and tutorials (config-json,
 # the learning-rate-schedule and ZeRO-offload tutorials, the monitor docs).
@@ -281,8 +281,6 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
     """fp16, ZeRO-2, micro 8 x 3 accumulation steps (Megatron-GPT2's
     DeepSpeed config) on 2 ranks: the loss goes down, a checkpoint is saved."""
     source = DS_DIR / "model_Megatron_GPT2_ds_config_func_bs8_zero2_gas3.json"
-    if not source.exists():
-        pytest.skip("the shared DeepSpeed configs are not here")
     run = tmp_path / "run.hjson"
     CliRunner().invoke(main, ["config", "from-deepspeed", str(source), "-o", str(run)])
     done = subprocess.run(
