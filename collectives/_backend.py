@@ -157,27 +157,56 @@ def _torch() -> Backend:
 
 
 _BACKENDS["torch"] = _torch
+_SHM: list[Backend] = []
+
+
+def _shm() -> Backend:
+    from ._shm_backend import ShmBackend, shm_available
+
+    if not _SHM:
+        ok, why = shm_available()
+        if not ok:
+            raise CollectiveError(f"the shm backend is unavailable here: {why}")
+        _SHM.append(ShmBackend(_torch()))
+    return _SHM[0]
+
+
+_BACKENDS["shm"] = _shm
 
 
 def backend_names() -> tuple[str, ...]:
     """The backends this build knows.
 
     >>> backend_names()
-    ('torch',)
+    ('torch', 'shm')
     """
     return tuple(_BACKENDS)
 
 
-def get_backend(name: str | None = None) -> Backend:
-    """The backend named ``name``; None → ``SHARDAX_BACKEND`` or automatic
-    (``torch``: gloo on CPU, NCCL on GPU).
+def _auto() -> str:
+    """``shm`` for CPU ranks when shared memory and the native core work
+    (groups spanning nodes still go through torch), else ``torch``."""
+    import torch
 
-    >>> get_backend().name
+    if torch.cuda.is_available():
+        return "torch"
+    from ._shm_backend import shm_available
+
+    return "shm" if shm_available()[0] else "torch"
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The backend named ``name``; None → ``SHARDAX_BACKEND`` or automatic:
+    ``shm`` (shared memory within a node, torch's gloo across nodes) for CPU
+    ranks when the native core builds, else ``torch`` (gloo on CPU, NCCL on
+    GPU).
+
+    >>> get_backend("torch").name
     'torch'
     """
     name = name or os.environ.get("SHARDAX_BACKEND") or "auto"
     if name == "auto":
-        name = "torch"
+        name = _auto()
     if name not in _BACKENDS:
         raise CollectiveError(
             f"unknown collective backend {name!r} (from SHARDAX_BACKEND or the argument); "

@@ -113,7 +113,7 @@ def translate_error(group: Group, op: str, seq: int, err: BaseException) -> Coll
             # waiting see that before their own timer fires: the cause is the
             # rank that never came, so name it.
             arrived, missing, elsewhere = _who_arrived(group, op, seq, grace=grace)
-            if missing and set(arrived) - {group.rank}:
+            if missing:
                 how = (
                     f"was abandoned on rank {group.rank} when a peer closed its connection (a "
                     f"rank died or was stopped — on another node too —, or timed out after "

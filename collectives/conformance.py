@@ -25,11 +25,14 @@ import torch
 
 from . import _api as C
 
-__all__ = ["CHECKS", "DTYPES", "axis_sets", "main", "run_all", "run_check"]
+__all__ = ["ALL_DTYPES", "CHECKS", "DTYPES", "axis_sets", "main", "run_all", "run_check"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
 """The dtypes every backend must support; inputs are small integers, so
 sums are exact in every one of them."""
+
+ALL_DTYPES = (*DTYPES, torch.float64, torch.int32)
+"""Every dtype the shared-memory backend reduces natively."""
 
 
 def _value(rank: int, shape: Sequence[int], dtype: torch.dtype, salt: int) -> torch.Tensor:
@@ -366,12 +369,18 @@ CHECKS: dict[str, Callable[[_Ctx], None]] = {
 }
 
 
-def run_check(name: str, mesh_shape: dict[str, int], dtypes: Sequence[torch.dtype] = DTYPES) -> int:
-    """Run one check on every axis set of a mesh and every dtype (on every
-    rank); return how many cases ran. Raises AssertionError on a mismatch."""
+def run_check(
+    name: str,
+    mesh_shape: dict[str, int],
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    timeout: float | None = None,
+) -> int:
+    """Run one check on every axis set of a mesh (with that collective
+    timeout) and every dtype (on every rank); return how many cases ran.
+    Raises AssertionError on a mismatch."""
     from ..mesh._mesh import Mesh
 
-    mesh = Mesh(mesh_shape)
+    mesh = Mesh(mesh_shape, timeout=timeout)
     cases = 0
     for i, axes in enumerate(axis_sets(mesh)):
         for j, dtype in enumerate(dtypes):

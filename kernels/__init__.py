@@ -1,7 +1,20 @@
-"""Native kernels, each with a pure-torch reference (to come).
+"""Native kernels, each with a pure-torch reference used automatically when
+the native one is unavailable.
 
-Fused optimizer steps (CPU C++/OpenMP; GPU via CuPy ``RawKernel``), a
-shared-memory reduce for the CPU collective backend, flatten/pack and
-quantize/dequantize for compressed communication; a builder with a cache and a
-clean fallback when there is no compiler or GPU.
+Built on first use by the system C++ compiler into a per-version cache
+(``SHARDAX_KERNEL_CACHE``; ``SHARDAX_NO_NATIVE=1`` turns them off); a
+missing compiler is one warning and the pure-torch paths, never an import
+error. ``shardax report`` lists each library's status.
+
+- ``shm``: the shared-memory collective backend's core (a barrier over a
+  shared segment, reductions of fp32/fp64/fp16/bf16/int32/int64).
 """
+
+from __future__ import annotations
+
+from ._build import NativeLibrary, cache_dir, find_compiler, registry
+
+__all__ = ["SHM", "NativeLibrary", "cache_dir", "find_compiler", "registry"]
+
+SHM = NativeLibrary("shm", "shm.cpp")
+"""The shared-memory collectives' core (``kernels/csrc/shm.cpp``)."""

@@ -80,6 +80,9 @@ def create_groups(mesh: Mesh) -> None:
                     if block == mine:
                         pg = made
             cache[key] = PGState(pg, mine, timeout, backend)
+            attach = getattr(backend, "attach", None)
+            if attach is not None:  # the shm backend maps the group's segment
+                attach(cache[key], dist.distributed_c10d._get_default_store())
 
 
 def group_along(mesh: Mesh, axes: tuple[str, ...]) -> Group:

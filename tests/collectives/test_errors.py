@@ -45,7 +45,9 @@ def test_bad_arguments_raise_collective_error():
 
 def test_unknown_backend_is_named(monkeypatch):
     monkeypatch.setenv("SHARDAX_BACKEND", "mpi")
-    with pytest.raises(CollectiveError, match=r"unknown collective backend 'mpi'.*\('torch',\)"):
+    with pytest.raises(
+        CollectiveError, match=r"unknown collective backend 'mpi'.*\('torch', 'shm'\)"
+    ):
         C.get_backend()
 
 

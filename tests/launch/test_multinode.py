@@ -113,6 +113,7 @@ def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
+                q.communicate()  # reap it and close its pipes
             raise
         out.append((p.returncode, stdout, stderr))
     return out
