@@ -77,7 +77,7 @@ class NativeLibrary:
         return cache_dir() / f"{self.name}-{digest.hexdigest()[:16]}.so"
 
     def _flags(self) -> list[str]:
-        flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+        flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
         if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
             flags.append(
                 "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
