@@ -120,14 +120,23 @@ class AllReduce(Op):
             )
         if self.group.size == 1:
             return Handle.ready(x)
-        buf = x.detach().clone(memory_format=torch.contiguous_format)
+        src = x.detach()
+        src = src if src.is_contiguous() else src.contiguous()
+        buf = torch.empty_like(src)
         op = "sum" if self.reduce == "mean" else self.reduce
         n = self.group.size
 
         def finish() -> torch.Tensor:
             return buf.div_(n) if self.reduce == "mean" else buf
 
-        return start(self.group, name, lambda b: b.all_reduce(buf, op, self.group), finish)
+        def launch(b: Any) -> Any:
+            into = getattr(b, "all_reduce_out", None)  # reads src, writes buf: no copy first
+            if into is not None:
+                return into(buf, src, op, self.group)
+            buf.copy_(src)
+            return b.all_reduce(buf, op, self.group)
+
+        return start(self.group, name, launch, finish)
 
 
 @attrs.frozen

@@ -248,22 +248,28 @@ class ShmBackend:
     # -- the collectives ------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, op: str, group: Group) -> Pending:
-        seg = self._usable(group, x, op=op)
+        return self.all_reduce_out(x, x, op, group)
+
+    def all_reduce_out(self, out: torch.Tensor, x: torch.Tensor, op: str, group: Group) -> Pending:
+        """``out`` ← reduction over members of their ``x`` (``x`` is only
+        read: a functional ``psum`` needs no copy of its input first)."""
+        seg = self._usable(group, out, x, op=op)
         if seg is None:
-            return self.fallback.all_reduce(x, op, group)
-        flat, n = x.view(-1), seg.n
+            if out.data_ptr() != x.data_ptr():
+                out.copy_(x)
+            return self.fallback.all_reduce(out, op, group)
+        src, dst, n = x.view(-1), out.view(-1), seg.n
         per = seg.slot_bytes // x.element_size()
-        for lo in range(0, max(flat.numel(), 1), per):
-            chunk = flat[lo : lo + per]
-            k = chunk.numel()
-            self._copy(seg.slot(seg.me, x.dtype, k), chunk)
+        for lo in range(0, max(src.numel(), 1), per):
+            k = min(per, src.numel() - lo)
+            self._copy(seg.slot(seg.me, x.dtype, k), src[lo : lo + k])
             self._barrier(seg, group)
             a, b = k * seg.me // n, k * (seg.me + 1) // n  # this rank's share
             if b > a:
                 srcs = [seg.slot(j, x.dtype, k)[a:b] for j in range(n)]
                 self._reduce(seg.result(x.dtype, k)[a:b], srcs, op)
             self._barrier(seg, group)
-            self._copy(chunk, seg.result(x.dtype, k))
+            self._copy(dst[lo : lo + k], seg.result(x.dtype, k))
         return Pending()
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
