@@ -337,18 +337,23 @@ class ShmBackend:
                     f"all_to_all on {group.label}: member {i} sends {int(table[order[i], seg.me])} "
                     f"elements, this rank expects {int(out_splits[i])}"
                 )
+        me = group.index
+        own = int(in_splits[me])  # my piece for myself: copied directly, once
+        self._copy(
+            out[out_starts[me] : out_starts[me] + own], x[in_starts[me] : in_starts[me] + own]
+        )
         for r in range(rounds):
             lo = r * per
             slot = seg.slot(seg.me, x.dtype, n * per).view(n, per)
             for i in range(n):  # my piece for member i goes to column block order[i]
                 k = max(0, min(per, int(in_splits[i]) - lo))
-                if k:
+                if k and i != me:
                     start = in_starts[i] + lo
                     self._copy(slot[order[i], :k], x[start : start + k])
             self._barrier(seg, group)
             for i in range(n):  # member i's piece for me
                 k = max(0, min(per, int(out_splits[i]) - lo))
-                if k:
+                if k and i != me:
                     src = seg.slot(order[i], x.dtype, n * per).view(n, per)[seg.me, :k]
                     start = out_starts[i] + lo
                     self._copy(out[start : start + k], src)
