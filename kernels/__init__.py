@@ -8,13 +8,19 @@ error. ``shardax report`` lists each library's status.
 
 - ``shm``: the shared-memory collective backend's core (a barrier over a
   shared segment, reductions of fp32/fp64/fp16/bf16/int32/int64).
+- ``optim``: fused optimizer steps — AdamW's update in one pass over
+  gradient, moments and parameter — used by :func:`shardax.optim.adamw` for
+  fp32 CPU tensors.
 """
 
 from __future__ import annotations
 
 from ._build import NativeLibrary, cache_dir, find_compiler, registry
 
-__all__ = ["SHM", "NativeLibrary", "cache_dir", "find_compiler", "registry"]
+__all__ = ["OPTIM", "SHM", "NativeLibrary", "cache_dir", "find_compiler", "registry"]
 
 SHM = NativeLibrary("shm", "shm.cpp")
 """The shared-memory collectives' core (``kernels/csrc/shm.cpp``)."""
+
+OPTIM = NativeLibrary("optim", "optim.cpp")
+"""Fused optimizer steps (``kernels/csrc/optim.cpp``)."""

@@ -124,13 +124,25 @@ def adamw(
     >>> updates, _ = opt.update(torch.tensor([1.0, -3.0]), opt.init(params), params)
     >>> updates.round(decimals=4)               # -0.1 * (sign(g) + 0.5 * 1)
     tensor([-0.1500,  0.0500])
+
+    On fp32 CPU tensors (without ``mask``, ``amsgrad``, ``nesterov`` or
+    ``mu_dtype``) the update runs as one native pass over gradient, moments
+    and parameter (``kernels/csrc/optim.cpp``), agreeing with the chain of
+    transforms above to about an ulp; elsewhere — or without a compiler, or
+    with ``SHARDAX_NO_NATIVE=1`` — the chain itself runs. The state is the
+    chain's either way.
     """
-    return chain(
+    reference = chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr),
         _fresh_after_first=True,  # scale_by_adam returns new buffers: decay and scale in place
     )
+    if mask is not None or amsgrad or nesterov or mu_dtype is not None:
+        return reference
+    from ._fused import fused_adamw
+
+    return fused_adamw(reference, lr, b1, b2, eps, weight_decay)
 
 
 def adagrad(
