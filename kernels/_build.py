@@ -58,17 +58,20 @@ def cache_dir() -> Path:
 class NativeLibrary:
     """One C++ source file in ``kernels/csrc``, built into a shared library.
 
-    >>> lib = NativeLibrary("shm", "shm.cpp")
+    >>> lib = NativeLibrary("shm", "shm.cpp", register=False)
     >>> lib.status()["state"] in ("built", "buildable", "unavailable")
     True
     """
 
-    def __init__(self, name: str, source: str, *, openmp: bool = True) -> None:
+    def __init__(
+        self, name: str, source: str, *, openmp: bool = True, register: bool = True
+    ) -> None:
         self.name, self.source, self.openmp = name, _SOURCES / source, openmp
         self._lib: Any = None
         self._error: str | None = None
         self._lock = threading.Lock()
-        _REGISTRY[name] = self
+        if register:  # listed by registry() (shardax report)
+            _REGISTRY[name] = self
 
     @property
     def path(self) -> Path:
@@ -138,9 +141,14 @@ class NativeLibrary:
             try:
                 flags = self._flags()
                 result = self._compile(compiler, flags, tmp)
-                if result.returncode != 0 and "-march=native" in flags:  # an old compiler
-                    flags = [f for f in flags if f != "-march=native"]
-                    result = self._compile(compiler, flags, tmp)
+                # An old compiler, or one without OpenMP (clang without libomp):
+                # retry without what it may lack — single-threaded still works.
+                for drop in ("-march=native", "-mcpu=native", "-fopenmp"):
+                    if result.returncode == 0:
+                        break
+                    if drop in flags:
+                        flags = [f for f in flags if f != drop]
+                        result = self._compile(compiler, flags, tmp)
                 if result.returncode != 0:
                     tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
                     raise RuntimeError(f"building {self.source.name} failed: " + " | ".join(tail))
