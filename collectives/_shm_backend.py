@@ -107,7 +107,16 @@ class _Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                # Reserve the pages now: on a small /dev/shm (Docker's 64 MiB) a
+                # sparse file would map fine and then kill the process with
+                # SIGBUS at first touch; this fails cleanly instead (→ gloo).
+                os.posix_fallocate(fd, 0, size)
             self.mm = mmap.mmap(fd, size)
+        except OSError:
+            if create:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)

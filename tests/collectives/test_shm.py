@@ -158,3 +158,35 @@ def test_no_shared_memory_file_is_left():
     killed rank), /dev/shm holds no shardax file."""
     run_ranks(on, "shm", "psum", {"x": 2}, (torch.float32,), world_size=2)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("shardax-")]
+
+
+def no_room() -> list:
+    """/dev/shm too small for a segment (as in a default Docker container):
+    the group falls back to gloo instead of dying of SIGBUS later."""
+    import errno
+
+    from shardax.collectives._backend import _SHM
+
+    backend = _SHM[0] if _SHM else get_backend("shm")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = os.posix_fallocate
+    os.posix_fallocate = full
+    os.environ["SHARDAX_BACKEND"] = "shm"
+    try:
+        mesh = sx.Mesh({"x": -1}, timeout=605.0)
+        group = sx.collectives._api._group("x", mesh, "test")
+        total = sx.collectives.psum(torch.ones(3) * (mesh.rank + 1), "x", mesh=mesh)
+        return [backend._segment(group) is None, total.tolist()]
+    finally:
+        os.posix_fallocate = real
+        del os.environ["SHARDAX_BACKEND"]
+
+
+@pytest.mark.world_size(2)
+def test_a_full_dev_shm_falls_back_to_gloo():
+    for fell_back, total in run_ranks(no_room, world_size=2):
+        assert fell_back and total == [3.0, 3.0, 3.0]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("shardax-")]
