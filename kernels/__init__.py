@@ -8,9 +8,9 @@ error. ``shardax report`` lists each library's status.
 
 - ``shm``: the shared-memory collective backend's core (a barrier over a
   shared segment, reductions of fp32/fp64/fp16/bf16/int32/int64).
-- ``optim``: fused optimizer steps — AdamW's update in one pass over
-  gradient, moments and parameter — used by :func:`shardax.optim.adamw` for
-  fp32 CPU tensors.
+- ``optim``: fused optimizer steps — AdamW's and Lion's update in one pass
+  over gradient, moments and parameter — used by :func:`shardax.optim.adamw`
+  and :func:`shardax.optim.lion` for fp32 CPU tensors.
 """
 
 from __future__ import annotations

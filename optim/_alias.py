@@ -219,12 +219,20 @@ def lion(
     >>> params = torch.zeros(2)
     >>> opt.update(torch.tensor([0.3, -5.0]), opt.init(params), params)[0]
     tensor([-0.1000,  0.1000])
+
+    On fp32 CPU tensors (without ``mask`` or ``mu_dtype``) the update is one
+    native pass (``kernels/csrc/optim.cpp``), as for :func:`adamw`.
     """
-    return chain(
+    reference = chain(
         scale_by_lion(b1, b2, mu_dtype),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr),
     )
+    if mask is not None or mu_dtype is not None:
+        return reference
+    from ._fused import fused_lion
+
+    return fused_lion(reference, lr, b1, b2, weight_decay)
 
 
 def lamb(

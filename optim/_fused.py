@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from ._base import Flat, GradientTransformation, transformation
-from ._transforms import ScaleByAdamState, ScaleByScheduleState
+from ._transforms import ScaleByAdamState, ScaleByLionState, ScaleByScheduleState
 
-__all__ = ["fused_adamw"]
+__all__ = ["fused_adamw", "fused_lion"]
 
 
 def _lib() -> Any:
@@ -27,6 +27,8 @@ def _lib() -> Any:
         p, d = ctypes.c_void_p, ctypes.c_double
         lib.sx_adamw_f32.argtypes = [p, p, p, p, p, ctypes.c_int64, d, d, d, d, d, d, d, d]
         lib.sx_adamw_f32.restype = None
+        lib.sx_lion_f32.argtypes = [p, p, p, p, p, ctypes.c_int64, d, d, d, d]
+        lib.sx_lion_f32.restype = None
         lib._shardax_typed = True
     return lib
 
@@ -63,7 +65,7 @@ def fused_adamw(
         if not isinstance(adam, ScaleByAdamState) or (wd and params is None):
             return None
         if callable(lr) and not isinstance(sched, ScaleByScheduleState):
-            return None
+            return None  # (checked again by _rate, after the cheap checks)
         # Decide before any collective, from what every rank sees alike
         # (dtypes, devices): the aligns below communicate, and ranks taking
         # different paths would issue different collectives.
@@ -78,13 +80,10 @@ def fused_adamw(
         mu = flat.same(adam.mu, "state.mu")
         g = [x.contiguous() for x in flat.align(updates, "updates")]
         p = [x.contiguous() for x in flat.align(params, "params")] if wd else [None] * len(nu)
-        if callable(lr):
-            rate = float(lr(int(sched.count)))
-            if rate < 0:
-                return None  # the reference raises the clear error
-            new_sched: Any = ScaleByScheduleState(sched.count + 1)
-        else:
-            rate, new_sched = float(lr), sched
+        step_rate = _rate(lr, sched)
+        if step_rate is None:
+            return None
+        rate, new_sched = step_rate
         t = int(adam.count) + 1
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         out = []
@@ -104,5 +103,60 @@ def fused_adamw(
             out.append(u)
         new_adam = ScaleByAdamState(adam.count + 1, flat.build(mu), flat.build(nu))
         return flat.build(out), (new_adam, decay, new_sched)
+
+    return transformation(reference.init, update)
+
+
+def _rate(lr: Any, sched: Any) -> tuple[float, Any] | None:
+    """This step's learning rate and the schedule state after it, or None
+    when the reference must run (a negative rate: it raises the clear error)."""
+    if callable(lr):
+        if not isinstance(sched, ScaleByScheduleState):
+            return None
+        rate = float(lr(int(sched.count)))
+        return None if rate < 0 else (rate, ScaleByScheduleState(sched.count + 1))
+    return float(lr), sched
+
+
+def fused_lion(
+    reference: GradientTransformation, lr: Any, b1: float, b2: float, wd: float
+) -> GradientTransformation:
+    """``reference`` (lion's chain), its update done by the native kernel when
+    every leaf is an fp32 CPU tensor; like the reference, the new momentum is
+    a new buffer (the state passed in is left alone)."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        done = _native(updates, state, params)
+        return done if done is not None else reference.update(updates, state, params)
+
+    def _native(updates: Any, state: Any, params: Any) -> tuple[Any, Any] | None:
+        if not (isinstance(state, tuple) and len(state) == 3):
+            return None
+        lion, decay, sched = state
+        if not isinstance(lion, ScaleByLionState) or (wd and params is None):
+            return None
+        trees = [lion.mu, updates] + ([params] if wd else [])
+        if not all(_fp32_cpu(tree) for tree in trees):
+            return None
+        lib = _lib()
+        rate = _rate(lr, sched)
+        if lib is None or rate is None:
+            return None
+        flat = Flat(lion.mu, "state.mu")
+        mu = [m.contiguous() for m in flat.locals]
+        g = [x.contiguous() for x in flat.align(updates, "updates")]
+        p = [x.contiguous() for x in flat.align(params, "params")] if wd else [None] * len(mu)
+        out, new_mu = [], []
+        for m, grad, param in zip(mu, g, p, strict=True):
+            u, m2 = torch.empty(m.shape, dtype=m.dtype), torch.empty(m.shape, dtype=m.dtype)
+            if m.numel():
+                lib.sx_lion_f32(
+                    m.data_ptr(), grad.data_ptr(), None if param is None else param.data_ptr(),
+                    m2.data_ptr(), u.data_ptr(), m.numel(), 1.0 - b1, 1.0 - b2, wd, -rate[0],
+                )  # fmt: skip
+            out.append(u)
+            new_mu.append(m2)
+        new_lion = ScaleByLionState(lion.count + 1, flat.build(new_mu))
+        return flat.build(out), (new_lion, decay, rate[1])
 
     return transformation(reference.init, update)

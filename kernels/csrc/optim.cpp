@@ -8,6 +8,13 @@
 #include <cmath>
 #include <cstdint>
 
+// torch's lerp: fma(w, end - start, start) for |w| < 0.5, else
+// fma(-(end - start), 1 - w, end).
+static inline float lerp(float start, float end, float w) {
+  return std::fabs(w) < 0.5f ? std::fma(w, end - start, start)
+                             : std::fma(-(end - start), 1.0f - w, end);
+}
+
 extern "C" {
 
 // AdamW's update (adamw: scale_by_adam, add_decayed_weights, scale_by_learning_rate):
@@ -29,7 +36,7 @@ void sx_adamw_f32(float* mu, float* nu, const float* g, const float* p, float* u
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
-    const float m = std::fma(w1, gi - mu[i], mu[i]);
+    const float m = lerp(mu[i], gi, w1);
     const float v = std::fma(w2 * gi, gi, nu[i] * fb2);
     float d = std::sqrt(v);
     d = d / sbc2;
@@ -39,6 +46,23 @@ void sx_adamw_f32(float* mu, float* nu, const float* g, const float* p, float* u
     mu[i] = m;
     nu[i] = v;
     u[i] = ui * neg_lr;
+  }
+}
+
+// Lion's update (lion: scale_by_lion, add_decayed_weights, scale_by_learning_rate):
+//   u  ← sign(lerp(mu, g, w1)); u ← fma(wd, p, u) when p is given; u ← u · neg_lr
+//   mu_out ← lerp(mu, g, w2)   (a new buffer: the reference leaves the old state alone)
+void sx_lion_f32(const float* mu, const float* g, const float* p, float* mu_out, float* u,
+                 int64_t n, double w1_, double w2_, double wd_, double neg_lr_) {
+  const float w1 = static_cast<float>(w1_), w2 = static_cast<float>(w2_);
+  const float wd = static_cast<float>(wd_), neg_lr = static_cast<float>(neg_lr_);
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = lerp(mu[i], g[i], w1);
+    float ui = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c);  // sign, keeping 0 (and NaN)
+    if (p != nullptr) ui = std::fma(wd, p[i], ui);
+    u[i] = ui * neg_lr;
+    mu_out[i] = lerp(mu[i], g[i], w2);
   }
 }
 

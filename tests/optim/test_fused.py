@@ -87,3 +87,59 @@ def test_optim_benchmark_smoke(tmp_path):
         "torch_fused",
     }
     assert all(r["ms"] > 0 for r in result["results"].values())
+
+
+def test_bf16_params_with_fp32_master_weights_use_the_kernel(monkeypatch):
+    """``with_master_weights(adamw)``: the inner AdamW steps the fp32 master
+    copy, so the fused kernel runs there (bf16 params, fp32 state)."""
+    calls = []
+    lib = OPTIM.load()
+    real = lib.sx_adamw_f32
+    monkeypatch.setattr(lib, "sx_adamw_f32", lambda *a: (calls.append(1), real(*a))[1])
+
+    def run(native: bool) -> dict:
+        if native:
+            monkeypatch.delenv("SHARDAX_NO_NATIVE", raising=False)
+        else:
+            monkeypatch.setenv("SHARDAX_NO_NATIVE", "1")
+        g = torch.Generator().manual_seed(0)
+        params = {"w": torch.randn(1000, generator=g).to(torch.bfloat16)}
+        opt = sx.optim.with_master_weights(sx.optim.adamw(1e-2, weight_decay=0.1))
+        state = opt.init(params)
+        for _ in range(4):
+            grads = {"w": torch.randn(1000, generator=g).to(torch.bfloat16)}
+            updates, state = opt.update(grads, state, params)
+            params = sx.optim.apply_updates(params, updates)
+        return params
+
+    fused, ref = run(True), run(False)
+    assert len(calls) == 4
+    torch.testing.assert_close(fused["w"].float(), ref["w"].float(), rtol=0, atol=2**-7)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("scheduled", [False, True], ids=["constant-lr", "schedule"])
+def test_fused_lion_is_bit_for_bit_the_reference(monkeypatch, wd, scheduled):
+    def run(native: bool):
+        if native:
+            monkeypatch.delenv("SHARDAX_NO_NATIVE", raising=False)
+        else:
+            monkeypatch.setenv("SHARDAX_NO_NATIVE", "1")
+        g = torch.Generator().manual_seed(0)
+        params = {"w": torch.randn(4099, generator=g), "b": torch.randn(3, generator=g)}
+        lr = sx.optim.warmup_cosine_decay_schedule(1e-3, 2, 8) if scheduled else 1e-3
+        opt = sx.optim.lion(lr, weight_decay=wd)
+        state = opt.init(params)
+        before = state[0].mu["w"].clone()
+        first = state
+        for _ in range(8):
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            updates, state = opt.update(grads, state, params)
+            params = sx.optim.apply_updates(params, updates)
+        assert torch.equal(first[0].mu["w"], before)  # the old state is left alone
+        return params, state
+
+    (fused, fstate), (ref, rstate) = run(True), run(False)
+    for k in ref:
+        assert torch.equal(fused[k], ref[k]) and torch.equal(fstate[0].mu[k], rstate[0].mu[k])
+    assert int(fstate[0].count) == 8 and type(fstate[2]) is type(rstate[2])
