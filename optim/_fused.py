@@ -47,6 +47,27 @@ def _fp32_cpu(tree: Any) -> bool:
     )
 
 
+def _or_reference(reference: GradientTransformation, native: Any) -> GradientTransformation:
+    """``reference``, whose update tries ``native`` first (None: not covered)."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        done = native(updates, state, params)
+        return done if done is not None else reference.update(updates, state, params)
+
+    return transformation(reference.init, update)
+
+
+def _chain_state(state: Any, first: type, wd: float, params: Any) -> bool:
+    """Whether ``state`` is the (``first``, decay, learning-rate) chain state
+    the kernel knows, with the params weight decay needs."""
+    return (
+        isinstance(state, tuple)
+        and len(state) == 3
+        and isinstance(state[0], first)
+        and not (wd and params is None)
+    )
+
+
 def fused_adamw(
     reference: GradientTransformation, lr: Any, b1: float, b2: float, eps: float, wd: float
 ) -> GradientTransformation:
@@ -54,16 +75,10 @@ def fused_adamw(
     scale_by_learning_rate), its update done by the native kernel when every
     leaf is a contiguous fp32 CPU tensor."""
 
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        done = _native(updates, state, params)
-        return done if done is not None else reference.update(updates, state, params)
-
     def _native(updates: Any, state: Any, params: Any) -> tuple[Any, Any] | None:
-        if not (isinstance(state, tuple) and len(state) == 3):
+        if not _chain_state(state, ScaleByAdamState, wd, params):
             return None
         adam, decay, sched = state
-        if not isinstance(adam, ScaleByAdamState) or (wd and params is None):
-            return None
         if callable(lr) and not isinstance(sched, ScaleByScheduleState):
             return None  # (checked again by _rate, after the cheap checks)
         # Decide before any collective, from what every rank sees alike
@@ -104,7 +119,7 @@ def fused_adamw(
         new_adam = ScaleByAdamState(adam.count + 1, flat.build(mu), flat.build(nu))
         return flat.build(out), (new_adam, decay, new_sched)
 
-    return transformation(reference.init, update)
+    return _or_reference(reference, _native)
 
 
 def _rate(lr: Any, sched: Any) -> tuple[float, Any] | None:
@@ -125,16 +140,10 @@ def fused_lion(
     every leaf is an fp32 CPU tensor; like the reference, the new momentum is
     a new buffer (the state passed in is left alone)."""
 
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        done = _native(updates, state, params)
-        return done if done is not None else reference.update(updates, state, params)
-
     def _native(updates: Any, state: Any, params: Any) -> tuple[Any, Any] | None:
-        if not (isinstance(state, tuple) and len(state) == 3):
+        if not _chain_state(state, ScaleByLionState, wd, params):
             return None
         lion, decay, sched = state
-        if not isinstance(lion, ScaleByLionState) or (wd and params is None):
-            return None
         trees = [lion.mu, updates] + ([params] if wd else [])
         if not all(_fp32_cpu(tree) for tree in trees):
             return None
@@ -159,4 +168,4 @@ def fused_lion(
         new_lion = ScaleByLionState(lion.count + 1, flat.build(new_mu))
         return flat.build(out), (new_lion, decay, rate[1])
 
-    return transformation(reference.init, update)
+    return _or_reference(reference, _native)
