@@ -45,6 +45,15 @@ def _partition_key(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, ...]:
     return ("pg", blocks, mesh.timeout)
 
 
+def forget_groups() -> None:
+    """Drop every cached group of this job (``shutdown`` does, before
+    destroying the process groups: the cache's values hold the groups, and
+    held groups would be torn down only with the interpreter — where gloo's
+    threads can abort the process)."""
+    if dist.is_available() and dist.is_initialized():
+        _CACHE.pop(dist.group.WORLD, None)
+
+
 def create_groups(mesh: Mesh) -> None:
     """Create the process groups of every set of ``mesh``'s axes that has more
     than one rank: collectively (every rank calls this, for the same meshes,

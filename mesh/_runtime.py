@@ -4,6 +4,7 @@ initialize torch.distributed; and leaving it."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import re
 import sys
@@ -318,6 +319,10 @@ def shutdown() -> None:
         store = _default_store() if world > 1 else None
         if world > 1:
             dist.barrier()
+        from ._groups import forget_groups
+
+        forget_groups()  # our references would keep the groups alive past their teardown
         dist.destroy_process_group()
+        gc.collect()  # their threads stop now, not in the interpreter's teardown
         if store is not None:
             _exit_together(store, rank, world)
