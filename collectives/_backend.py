@@ -41,6 +41,12 @@ class Backend(Protocol):
         """In place: ``x`` ← reduction (``"sum"``, ``"max"``, ``"min"``) over members."""
         ...
 
+    def all_reduce_out(self, out: torch.Tensor, x: torch.Tensor, op: str, group: Group) -> Pending:
+        """``out`` ← reduction over members of their ``x`` (``x`` only read;
+        ``out`` may be ``x``): a functional ``psum`` needs no copy first when
+        the backend can read its input directly."""
+        ...
+
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
         """``out`` (shape ``[n * x.shape[0], *x.shape[1:]]``) ← every member's ``x``
         concatenated on dim 0, in member order."""

@@ -129,14 +129,7 @@ class AllReduce(Op):
         def finish() -> torch.Tensor:
             return buf.div_(n) if self.reduce == "mean" else buf
 
-        def launch(b: Any) -> Any:
-            into = getattr(b, "all_reduce_out", None)  # reads src, writes buf: no copy first
-            if into is not None:
-                return into(buf, src, op, self.group)
-            buf.copy_(src)
-            return b.all_reduce(buf, op, self.group)
-
-        return start(self.group, name, launch, finish)
+        return start(self.group, name, lambda b: b.all_reduce_out(buf, src, op, self.group), finish)
 
 
 @attrs.frozen

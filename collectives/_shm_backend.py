@@ -260,13 +260,9 @@ class ShmBackend:
         return self.all_reduce_out(x, x, op, group)
 
     def all_reduce_out(self, out: torch.Tensor, x: torch.Tensor, op: str, group: Group) -> Pending:
-        """``out`` ← reduction over members of their ``x`` (``x`` is only
-        read: a functional ``psum`` needs no copy of its input first)."""
         seg = self._usable(group, out, x, op=op)
         if seg is None:
-            if out.data_ptr() != x.data_ptr():
-                out.copy_(x)
-            return self.fallback.all_reduce(out, op, group)
+            return self.fallback.all_reduce_out(out, x, op, group)
         src, dst, n = x.view(-1), out.view(-1), seg.n
         per = seg.slot_bytes // x.element_size()
         for lo in range(0, max(src.numel(), 1), per):

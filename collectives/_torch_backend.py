@@ -43,6 +43,11 @@ class TorchBackend:
         work = dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg, async_op=True)
         return Pending([work])
 
+    def all_reduce_out(self, out: torch.Tensor, x: torch.Tensor, op: str, group: Group) -> Pending:
+        if out.data_ptr() != x.data_ptr():  # torch reduces in place
+            out.copy_(x)
+        return self.all_reduce(out, op, group)
+
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
         if group.in_torch_order:
             return Pending([_all_gather_flat(out, x, group=group.pg, async_op=True)])

@@ -144,11 +144,7 @@ class _Counting:
 
     def all_reduce_out(self, out: torch.Tensor, x: torch.Tensor, op: str, group: Group) -> Any:
         self._add(_nbytes(x), ring=2.0)
-        into = getattr(self._backend, "all_reduce_out", None)
-        if into is not None:
-            return into(out, x, op, group)
-        out.copy_(x)
-        return self._backend.all_reduce(out, op, group)
+        return self._backend.all_reduce_out(out, x, op, group)
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Any:
         self._add(_nbytes(out))

@@ -79,26 +79,22 @@ def fused_adamw(
         if not _chain_state(state, ScaleByAdamState, wd, params):
             return None
         adam, decay, sched = state
-        if callable(lr) and not isinstance(sched, ScaleByScheduleState):
-            return None  # (checked again by _rate, after the cheap checks)
         # Decide before any collective, from what every rank sees alike
-        # (dtypes, devices): the aligns below communicate, and ranks taking
-        # different paths would issue different collectives.
+        # (dtypes, devices, the step's rate): the aligns below communicate,
+        # and ranks taking different paths would issue different collectives.
         trees = [adam.mu, adam.nu, updates] + ([params] if wd else [])
         if not all(_fp32_cpu(tree) for tree in trees):
             return None
         lib = _lib()
-        if lib is None:
+        step_rate = _rate(lr, sched)
+        if lib is None or step_rate is None:
             return None
+        rate, new_sched = step_rate
         flat = Flat(adam.nu, "state.nu")
         nu = flat.locals
         mu = flat.same(adam.mu, "state.mu")
         g = [x.contiguous() for x in flat.align(updates, "updates")]
         p = [x.contiguous() for x in flat.align(params, "params")] if wd else [None] * len(nu)
-        step_rate = _rate(lr, sched)
-        if step_rate is None:
-            return None
-        rate, new_sched = step_rate
         t = int(adam.count) + 1
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         out = []

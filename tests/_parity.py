@@ -11,6 +11,18 @@ import torch
 
 import shardax as sx
 
+MEGATRON_CASES = [
+    ({"tp": 2}, 0, False),
+    ({"dp": 2, "tp": 2}, 1, False),
+    ({"dp": 2, "tp": 2}, 3, False),
+    ({"tp": 2}, 0, True),
+    ({"dp": 2, "tp": 2}, 3, True),
+]
+"""``(mesh shape, ZeRO stage over dp, sequence parallel)`` every model is
+trained on under ``rules.megatron``: the issue's tp=2, dp2×tp2 ZeRO-1/3,
+with and without Megatron-SP."""
+MEGATRON_IDS = ["tp2", "dp2xtp2-zero1", "dp2xtp2-zero3", "tp2-sp", "dp2xtp2-zero3-sp"]
+
 
 def adamw_steps(
     params: dict[str, Any],

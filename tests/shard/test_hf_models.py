@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
-from _parity import adamw_steps
+from _parity import MEGATRON_CASES, MEGATRON_IDS, adamw_steps
 
 import shardax as sx
 
@@ -150,17 +150,7 @@ def train_megatron(
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize(
-    ("shape", "stage", "sp"),
-    [
-        ({"tp": 2}, 0, False),
-        ({"dp": 2, "tp": 2}, 1, False),
-        ({"dp": 2, "tp": 2}, 3, False),
-        ({"tp": 2}, 0, True),
-        ({"dp": 2, "tp": 2}, 3, True),
-    ],
-    ids=["tp2", "dp2xtp2-zero1", "dp2xtp2-zero3", "tp2-sp", "dp2xtp2-zero3-sp"],
-)
+@pytest.mark.parametrize(("shape", "stage", "sp"), MEGATRON_CASES, ids=MEGATRON_IDS)
 def test_megatron_matches_pytorch(family, shape, stage, sp):
     ref_losses, ref_params = reference(family)
     world = 2 if "dp" not in shape else 4
