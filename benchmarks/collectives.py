@@ -14,16 +14,28 @@ Each row also has ``algbw`` (bytes / time) and the single-process memcpy
 bandwidth of a buffer that size (``memcpy_GBps``: the most any copy through
 memory can do; ``shardax_vs_memcpy`` is the shared-memory busbw's fraction
 of it). With ``SHARDAX_BACKEND=torch`` the shardax column is gloo too.
+
+All-reduce has a third column where DeepSpeed is importable (``pip install
+'shardax[bench]'``): DeepSpeed's shared-memory all-reduce on CPU (the op
+behind ``deepspeed.comm.inference_all_reduce``, built by
+``ShareMemCommBuilder``; see ``_deepspeed.py``), in place on the same
+buffer, in the same interleaved loop, checked once per size against
+``torch.distributed.all_reduce`` on rank-dependent data (the run fails if
+they differ). ``ratio_vs_deepspeed`` is DeepSpeed's time over shardax's.
+Where it is not importable, or cannot run here, its columns are ``null``
+and ``deepspeed.skipped`` in the JSON says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,8 +43,17 @@ import torch.distributed as dist
 import shardax as sx
 from shardax import collectives as C
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _deepspeed import shm_all_reduce
+
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+DEEPSPEED_KEYS = (
+    "deepspeed_s",
+    "ratio_vs_deepspeed",
+    "deepspeed_busbw_GBps",
+    "deepspeed_algbw_GBps",
+)
 
 
 def _timed(fn: Callable[[], object], mesh: sx.Mesh) -> float:
@@ -45,8 +66,12 @@ def _timed(fn: Callable[[], object], mesh: sx.Mesh) -> float:
     return float(elapsed)
 
 
-def cases(mesh: sx.Mesh, numel: int) -> dict[str, tuple[float, Callable, Callable]]:
-    """op → (bus factor, torch version, shardax version) for a ``numel`` buffer."""
+def cases(
+    mesh: sx.Mesh, numel: int, ds_all_reduce: Callable | None = None
+) -> dict[str, tuple[float, dict[str, Callable]]]:
+    """op → (bus factor, {implementation: version}) for a ``numel`` buffer:
+    ``torch`` and ``shardax`` for every op, ``deepspeed`` for all-reduce
+    when ``ds_all_reduce`` is given."""
     n = mesh.size()
     chunk = numel // n
     full = torch.randn(chunk * n)
@@ -54,28 +79,54 @@ def cases(mesh: sx.Mesh, numel: int) -> dict[str, tuple[float, Callable, Callabl
     out_full, out_piece = torch.empty(chunk * n), torch.empty(chunk)
     grid = full.view(n, chunk)
     a2a_out = torch.empty(chunk * n)
+    all_reduce = {
+        "torch": lambda: dist.all_reduce(full),
+        "shardax": lambda: C.psum(full, "x", mesh=mesh),
+    }
+    if ds_all_reduce is not None:
+        all_reduce["deepspeed"] = lambda: ds_all_reduce(full)
     return {
-        "all_reduce": (
-            2 * (n - 1) / n,
-            lambda: dist.all_reduce(full),
-            lambda: C.psum(full, "x", mesh=mesh),
-        ),
+        "all_reduce": (2 * (n - 1) / n, all_reduce),
         "all_gather": (
             (n - 1) / n,
-            lambda: _all_gather_flat(out_full, piece),
-            lambda: C.all_gather(piece, "x", 0, sizes=(chunk,) * n, mesh=mesh),
+            {
+                "torch": lambda: _all_gather_flat(out_full, piece),
+                "shardax": lambda: C.all_gather(piece, "x", 0, sizes=(chunk,) * n, mesh=mesh),
+            },
         ),
         "reduce_scatter": (
             (n - 1) / n,
-            lambda: _reduce_scatter_flat(out_piece, full),
-            lambda: C.psum_scatter(full, "x", 0, mesh=mesh),
+            {
+                "torch": lambda: _reduce_scatter_flat(out_piece, full),
+                "shardax": lambda: C.psum_scatter(full, "x", 0, mesh=mesh),
+            },
         ),
         "all_to_all": (
             (n - 1) / n,
-            lambda: dist.all_to_all_single(a2a_out, full),
-            lambda: C.all_to_all(grid, "x", 0, 1, concat_sizes=(chunk,) * n, mesh=mesh),
+            {
+                "torch": lambda: dist.all_to_all_single(a2a_out, full),
+                "shardax": lambda: C.all_to_all(
+                    grid, "x", 0, 1, concat_sizes=(chunk,) * n, mesh=mesh
+                ),
+            },
         ),
     }
+
+
+def check_all_reduce(all_reduce: Callable[[torch.Tensor], object], numel: int) -> None:
+    """Fail unless ``all_reduce`` sums like ``torch.distributed.all_reduce``
+    on data that differs between ranks."""
+    data = torch.randn(numel, generator=torch.Generator().manual_seed(1234 + dist.get_rank()))
+    expected = data.clone()
+    dist.all_reduce(expected)
+    all_reduce(data)
+    try:
+        torch.testing.assert_close(data, expected)
+    except AssertionError as e:
+        raise RuntimeError(
+            f"DeepSpeed's all-reduce of {numel} float32 disagrees with torch's on rank "
+            f"{dist.get_rank()}: {e}"
+        ) from None
 
 
 def memcpy_gbps(nbytes: int, reps: int) -> float:
@@ -91,35 +142,54 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def run(sizes: list[int], reps: int, mesh: sx.Mesh) -> list[dict]:
+def run(
+    sizes: list[int], reps: int, mesh: sx.Mesh, ds_all_reduce: Callable | None = None
+) -> list[dict]:
     rows = []
     for numel in sizes:
         memcpy = memcpy_gbps(numel * 4, reps)
-        for op, (factor, torch_fn, shardax_fn) in cases(mesh, numel).items():
-            torch_fn(), shardax_fn()  # warm up both
-            times: dict[str, list[float]] = {"torch": [], "shardax": []}
+        if ds_all_reduce is not None:
+            check_all_reduce(ds_all_reduce, numel)
+        for op, (factor, impls) in cases(mesh, numel, ds_all_reduce).items():
+            for fn in impls.values():  # warm up each
+                fn()
+            times: dict[str, list[float]] = {name: [] for name in impls}
             for _ in range(reps):  # interleaved
-                times["torch"].append(_timed(torch_fn, mesh))
-                times["shardax"].append(_timed(shardax_fn, mesh))
+                for name, fn in impls.items():
+                    times[name].append(_timed(fn, mesh))
             t_torch, t_ours = statistics.median(times["torch"]), statistics.median(times["shardax"])
             nbytes = numel * 4
-            rows.append(
-                {
-                    "op": op,
-                    "bytes": nbytes,
-                    "torch_s": t_torch,
-                    "shardax_s": t_ours,
-                    "ratio": t_torch / t_ours,
-                    "torch_busbw_GBps": factor * nbytes / t_torch / 1e9,
-                    "shardax_busbw_GBps": factor * nbytes / t_ours / 1e9,
-                    "torch_algbw_GBps": nbytes / t_torch / 1e9,
-                    "shardax_algbw_GBps": nbytes / t_ours / 1e9,
-                    "memcpy_GBps": memcpy,
-                    "shardax_vs_memcpy": factor * nbytes / t_ours / 1e9 / memcpy,
-                    "reps": reps,
-                }
-            )
+            row = {
+                "op": op,
+                "bytes": nbytes,
+                "torch_s": t_torch,
+                "shardax_s": t_ours,
+                "ratio": t_torch / t_ours,
+                "torch_busbw_GBps": factor * nbytes / t_torch / 1e9,
+                "shardax_busbw_GBps": factor * nbytes / t_ours / 1e9,
+                "torch_algbw_GBps": nbytes / t_torch / 1e9,
+                "shardax_algbw_GBps": nbytes / t_ours / 1e9,
+                "memcpy_GBps": memcpy,
+                "shardax_vs_memcpy": factor * nbytes / t_ours / 1e9 / memcpy,
+                "reps": reps,
+            }
+            if op == "all_reduce":
+                row.update(dict.fromkeys(DEEPSPEED_KEYS))  # null where DeepSpeed is skipped
+            if "deepspeed" in times:
+                t_ds = statistics.median(times["deepspeed"])
+                row["deepspeed_s"] = t_ds
+                row["ratio_vs_deepspeed"] = t_ds / t_ours
+                row["deepspeed_busbw_GBps"] = factor * nbytes / t_ds / 1e9
+                row["deepspeed_algbw_GBps"] = nbytes / t_ds / 1e9
+            rows.append(row)
     return rows
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sizes, reps = [int(float(s) * 2**20 / 4) for s in args.sizes_mb.split(",")], args.reps
     sizes = [max(mesh.size(), s - s % mesh.size()) for s in sizes]
-    rows = run(sizes, reps, mesh)
+    ds_all_reduce, ds_skipped = shm_all_reduce()  # every rank, after the group exists
+    rows = run(sizes, reps, mesh, ds_all_reduce)
     if info.rank == 0:
         result = {
             "benchmark": "collectives",
@@ -145,17 +216,31 @@ def main(argv: list[str] | None = None) -> int:
             "torch_backend": info.backend,
             "shardax_backend": C.get_backend().name,
             "torch": torch.__version__,
+            "deepspeed": {
+                "version": _version("deepspeed") if ds_all_reduce else None,
+                "all_reduce": "torch.ops.deepspeed.inference_all_reduce_ (ShareMemCommBuilder)"
+                if ds_all_reduce
+                else None,
+                "skipped": ds_skipped,
+            },
             "results": rows,
         }
         print(f"busbw in GB/s; torch: {info.backend}, shardax: {C.get_backend().name}")
+        print(f"deepspeed: {'shm all-reduce' if ds_all_reduce else f'skipped ({ds_skipped})'}")
         print(
             f"{'op':<15}{'MiB':>8}{'torch':>8}{'shardax':>9}{'ratio':>7}{'memcpy':>8}{'of memcpy':>11}"
+            f"{'deepspeed':>11}{'vs ds':>7}"
         )
         for r in rows:
+            ds = (
+                f"{r['deepspeed_busbw_GBps']:>11.2f}{r['ratio_vs_deepspeed']:>7.2f}"
+                if r.get("deepspeed_s")
+                else f"{'-':>11}{'-':>7}"
+            )
             print(
                 f"{r['op']:<15}{r['bytes'] / 2**20:>8.2f}{r['torch_busbw_GBps']:>8.2f}"
                 f"{r['shardax_busbw_GBps']:>9.2f}{r['ratio']:>7.2f}{r['memcpy_GBps']:>8.2f}"
-                f"{r['shardax_vs_memcpy']:>11.0%}"
+                f"{r['shardax_vs_memcpy']:>11.0%}{ds}"
             )
         if args.json:
             with open(args.json, "w") as f:

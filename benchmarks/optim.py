@@ -1,10 +1,14 @@
-"""AdamW steps on CPU: shardax's ``optim.adamw`` (the fused native update,
-then ``apply_updates(donate=True)``; and the reference chain of foreach
-transforms, ``SHARDAX_NO_NATIVE``) against ``torch.optim.AdamW`` (foreach
-and fused), side by side on the same 25M-element fp32 step, interleaved and
-repeated; milliseconds per step and the GB/s of the state they stream (a
-step reads param, grad, exp_avg, exp_avg_sq and writes three of them: 28
-bytes per element for every implementation, counted the same).
+"""AdamW steps on CPU: shardax's ``optim.adamw`` — ``optim.step(donate=True)``
+(update and apply in one native pass), the fused update followed by
+``apply_updates(donate=True)``, the reference chain of foreach transforms
+(``SHARDAX_NO_NATIVE``), and the one-pass step of bf16 params with fp32
+master weights — against ``torch.optim.AdamW`` (foreach and fused) and,
+where importable, DeepSpeed's ``DeepSpeedCPUAdam``, side by side on the same
+25M-element step, interleaved and repeated; milliseconds per step and the
+GB/s of the state they stream (a step reads param, grad, exp_avg, exp_avg_sq
+and writes three of them: 28 bytes per element, counted the same for every
+implementation — the bf16-master step reads a bf16 gradient and writes a
+bf16 param besides, also 28).
 
     python benchmarks/optim.py --json optim.json
     python benchmarks/optim.py --smoke          # seconds
@@ -27,10 +31,12 @@ import shardax as sx
 BYTES_PER_ELEMENT = 28  # read p, g, m, v; write p, m, v
 
 
-def _shardax(n: int, native: bool) -> Callable[[], None]:
-    params = {"w": torch.randn(n)}
-    grads = {"w": torch.randn(n)}
+def _shardax(n: int, native: bool, fused_step: bool, dtype: torch.dtype = torch.float32):
+    params = {"w": torch.randn(n).to(dtype)}
+    grads = {"w": torch.randn(n).to(dtype)}
     opt = sx.optim.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+    if dtype != torch.float32:
+        opt = sx.optim.with_master_weights(opt)
     state = opt.init(params)
 
     def step() -> None:
@@ -40,8 +46,11 @@ def _shardax(n: int, native: bool) -> Callable[[], None]:
         else:
             os.environ["SHARDAX_NO_NATIVE"] = "1"
         try:
-            updates, state = opt.update(grads, state, params)
-            params = sx.optim.apply_updates(params, updates, donate=True)
+            if fused_step:
+                params, state = sx.optim.step(opt, grads, state, params, donate=True)
+            else:
+                updates, state = opt.update(grads, state, params)
+                params = sx.optim.apply_updates(params, updates, donate=True)
         finally:
             os.environ.pop("SHARDAX_NO_NATIVE", None)
 
@@ -66,19 +75,30 @@ def main(argv: list[str] | None = None) -> int:
     numel, reps = (100_000, 2) if args.smoke else (args.numel, args.reps)
     torch.set_num_threads(args.threads)
     steps = {
-        "shardax": _shardax(numel, native=True),
-        "shardax_reference": _shardax(numel, native=False),
+        "shardax_step": _shardax(numel, native=True, fused_step=True),
+        "shardax": _shardax(numel, native=True, fused_step=False),
+        "shardax_reference": _shardax(numel, native=False, fused_step=False),
+        "shardax_step_bf16_master": _shardax(numel, True, True, torch.bfloat16),
         "torch_foreach": _torch(numel, foreach=True),
         "torch_fused": _torch(numel, fused=True),
     }
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _deepspeed import cpu_adamw
+
+    p, g = torch.randn(numel), torch.randn(numel)
+    ds_step, ds_skipped = cpu_adamw([p], [g], lr=1e-3, b1=0.9, b2=0.999, eps=1e-8,
+                                    weight_decay=0.1)  # fmt: skip
+    if ds_step is not None:
+        steps["deepspeed_cpu_adam"] = ds_step
     times: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():  # warm up: first-touch page faults, kernel build
         fn()
         fn()
-    for _ in range(reps):  # interleaved
-        for name, fn in steps.items():
+    names = list(steps)
+    for r in range(reps):  # interleaved, the order rotated (none always follows the same one)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
-            fn()
+            steps[name]()
             times[name].append(time.perf_counter() - start)
     from shardax.kernels import OPTIM
 
@@ -95,13 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "torch": torch.__version__,
         "native": OPTIM.status(),
+        "deepspeed": {"skipped": ds_skipped},
         "results": rows,
     }
     print(f"AdamW step, {numel:,} fp32 elements, {args.threads} threads, median of {reps}")
     for name, r in rows.items():
         print(
-            f"{name:<20}{r['ms']:>9.1f} ms{r['GBps']:>8.1f} GB/s  x{r['vs_torch_fused']:.2f} torch fused"
+            f"{name:<26}{r['ms']:>9.1f} ms{r['GBps']:>8.1f} GB/s  x{r['vs_torch_fused']:.2f} torch fused"
         )
+    if ds_skipped:
+        print(f"deepspeed_cpu_adam: skipped ({ds_skipped})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

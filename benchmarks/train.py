@@ -201,9 +201,9 @@ def _shardax_step(
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         nonlocal params, opt_state
         value, grads = grad_fn(params, {"x": x, "y": y})
-        updates, opt_state = opt.update(grads, opt_state, params)
-        del grads  # no longer needed: let the step hold one gradient copy, not two
-        params = sx.optim.apply_updates(params, updates, donate=True)
+        # update and apply in one pass where the kernels cover it (ZeRO-3)
+        params, opt_state = sx.optim.step(opt, grads, opt_state, params, donate=True)
+        del grads
         return value.detach()
 
     return step
@@ -294,7 +294,7 @@ def unavailable(modes: Sequence[str]) -> dict[str, str]:
             (sx, "value_and_grad"),
             (sx.rules, "zero"),
             (getattr(sx, "optim", None), "adamw"),
-            (getattr(sx, "optim", None), "apply_updates"),
+            (getattr(sx, "optim", None), "step"),
         ]
         if not hasattr(owner, name)
     ]

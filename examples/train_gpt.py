@@ -298,8 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         }
                 if finite or accumulation > 1:
                     with monitor.timer("optimizer"):
-                        updates, opt_state = opt.update(grads, opt_state, params)
-                        params = sx.optim.apply_updates(params, updates)
+                        # update + apply, in one native pass where the optimizer has one
+                        params, opt_state = sx.optim.step(opt, grads, opt_state, params)
             monitor.log(loss=loss, lr=schedule(step - 1))
             if loss_scale is not None:
                 monitor.log(loss_scale=loss_scale.scale)

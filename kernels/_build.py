@@ -75,8 +75,10 @@ class NativeLibrary:
 
     @property
     def path(self) -> Path:
-        """The built library's path: named by a hash of the source and flags."""
-        digest = hashlib.sha256(self.source.read_bytes() + repr(self._flags()).encode())
+        """The built library's path: named by a hash of the source, the
+        headers beside it and the flags."""
+        headers = b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))
+        digest = hashlib.sha256(self.source.read_bytes() + headers + repr(self._flags()).encode())
         return cache_dir() / f"{self.name}-{digest.hexdigest()[:16]}.so"
 
     def _flags(self) -> list[str]:

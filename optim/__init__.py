@@ -34,6 +34,7 @@ from ._base import EmptyState as EmptyState
 from ._base import GradientTransformation as GradientTransformation
 from ._base import apply_updates as apply_updates
 from ._base import chain as chain
+from ._base import step as step
 from ._factored import FactoredRmsState as FactoredRmsState
 from ._factored import scale_by_factored_rms as scale_by_factored_rms
 from ._global import clip_by_block_rms as clip_by_block_rms
@@ -140,6 +141,7 @@ __all__ = [
     "scale_by_schedule",
     "scale_by_trust_ratio",
     "sgd",
+    "step",
     "trace",
     "warmup_cosine",
     "warmup_cosine_decay_schedule",

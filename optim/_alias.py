@@ -125,12 +125,14 @@ def adamw(
     >>> updates.round(decimals=4)               # -0.1 * (sign(g) + 0.5 * 1)
     tensor([-0.1500,  0.0500])
 
-    On fp32 CPU tensors (without ``mask``, ``amsgrad``, ``nesterov`` or
-    ``mu_dtype``) the update runs as one native pass over gradient, moments
-    and parameter (``kernels/csrc/optim.cpp``), agreeing with the chain of
-    transforms above to about an ulp; elsewhere — or without a compiler, or
-    with ``SHARDAX_NO_NATIVE=1`` — the chain itself runs. The state is the
-    chain's either way.
+    On fp32 CPU params and state (gradients fp32, bf16 or fp16; without
+    ``mask``, ``amsgrad``, ``nesterov`` or ``mu_dtype``) the update runs as
+    one native pass over gradient, moments and parameter
+    (``kernels/csrc/optim.cpp``), agreeing with the chain of transforms above
+    to about an ulp, and :func:`step` writes the new params in that same pass
+    (as ``torch.optim.AdamW(fused=True)``); elsewhere — or without a
+    compiler, or with ``SHARDAX_NO_NATIVE=1`` — the chain itself runs. The
+    state is the chain's either way.
     """
     reference = chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
@@ -161,12 +163,18 @@ def adagrad(
     >>> params = torch.zeros(1)
     >>> opt.update(torch.tensor([-4.0]), opt.init(params), params)[0]
     tensor([1.])
+
+    On fp32 CPU tensors the update (and :func:`step`) is one native pass, as
+    for :func:`adamw`.
     """
-    return _chain(
+    reference = _chain(
         add_decayed_weights(weight_decay) if weight_decay else None,
         scale_by_rss(initial_accumulator_value, eps),
         scale_by_learning_rate(lr),
     )
+    from ._fused import fused_adagrad
+
+    return fused_adagrad(reference, lr, eps, weight_decay)
 
 
 def rmsprop(
@@ -189,15 +197,23 @@ def rmsprop(
     >>> params = torch.zeros(1)
     >>> opt.update(torch.tensor([3.0]), opt.init(params), params)[0]
     tensor([-0.0200])
+
+    Uncentered and without momentum, on fp32 CPU tensors, the update (and
+    :func:`step`) is one native pass, as for :func:`adamw`.
     """
     if nesterov and not momentum:
         raise ValueError("Nesterov momentum needs momentum > 0")
-    return _chain(
+    reference = _chain(
         add_decayed_weights(weight_decay) if weight_decay else None,
         scale_by_rms(decay, eps, centered=centered),
         trace(momentum, nesterov) if momentum else None,
         scale_by_learning_rate(lr),
     )
+    if centered or momentum:
+        return reference
+    from ._fused import fused_rmsprop
+
+    return fused_rmsprop(reference, lr, decay, eps, weight_decay)
 
 
 def lion(
@@ -220,8 +236,9 @@ def lion(
     >>> opt.update(torch.tensor([0.3, -5.0]), opt.init(params), params)[0]
     tensor([-0.1000,  0.1000])
 
-    On fp32 CPU tensors (without ``mask`` or ``mu_dtype``) the update is one
-    native pass (``kernels/csrc/optim.cpp``), as for :func:`adamw`.
+    On fp32 CPU tensors (without ``mask`` or ``mu_dtype``) the update, and
+    :func:`step`, are one native pass (``kernels/csrc/optim.cpp``), as for
+    :func:`adamw`.
     """
     reference = chain(
         scale_by_lion(b1, b2, mu_dtype),

@@ -24,6 +24,7 @@ __all__ = [
     "GradientTransformation",
     "apply_updates",
     "chain",
+    "step",
 ]
 
 Leaf = torch.Tensor | Sharded
@@ -52,6 +53,13 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
+    step: Callable[..., tuple[Any, Any] | None] | None = None
+    """A fused update-and-apply, for optimizers that have one (see :func:`step`):
+    ``step(updates, state, params, donate=False, shadows=None) -> (new_params,
+    new_state)``, or None where it does not cover the call (the caller then
+    runs ``update`` and :func:`apply_updates`). ``shadows``, when given, are
+    low-precision buffers (one per param leaf) that also receive the new
+    params, rounded. It decides before it writes anything."""
 
 
 class EmptyState(NamedTuple):
@@ -123,7 +131,34 @@ def chain(
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    def step(
+        updates: Any, state: Any, params: Any, donate: bool = False, shadows: Any = None
+    ) -> tuple[Any, Any]:
+        # The last transformation's fused step, after the others' updates
+        # (clipping, then AdamW in one pass); where that step does not cover
+        # the call, its update and apply_updates (and the shadows filled).
+        *head, last = transforms
+        prefix = chain(*head, _fresh_after_first=_fresh_after_first)
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            update(updates, state, params)  # raises the clear error
+        updates, head_state = prefix.update(updates, state[:-1], params)
+        with torch.no_grad():
+            done = last.step(updates, state[-1], params, donate, shadows)
+            if done is None:
+                token = _FRESH.set(_fresh_after_first and len(transforms) > 1)
+                try:
+                    updates, last_state = last.update(updates, state[-1], params)
+                finally:
+                    _FRESH.reset(token)
+                new_params = apply_updates(params, updates, donate=donate)
+                if shadows is not None:
+                    for shadow, x in zip(shadows, Flat(new_params, "params").locals, strict=True):
+                        shadow.copy_(x)
+                done = new_params, last_state
+        return done[0], (*head_state, done[1])
+
+    fused = transforms and getattr(transforms[-1], "step", None) is not None
+    return GradientTransformation(init, update, step if fused else None)
 
 
 # -- leaves -------------------------------------------------------------------
@@ -371,6 +406,53 @@ def apply_updates(params: Any, updates: Any, *, donate: bool = False) -> Any:
                 new = (pl.to(wide) + ul.to(wide)).to(pl.dtype)
             out.append(p.with_local(new) if isinstance(p, Sharded) else new)
         return optree.tree_unflatten(flat.spec, out)
+
+
+def step(
+    optimizer: GradientTransformation,
+    grads: Any,
+    state: Any,
+    params: Any,
+    *,
+    donate: bool = False,
+) -> tuple[Any, Any]:
+    """One optimizer step: ``update`` then :func:`apply_updates`, returning
+    ``(new_params, new_state)`` — in one pass over params, gradients and
+    state where the optimizer has a fused kernel.
+
+    :func:`adamw`, :func:`lion`, :func:`adagrad` and :func:`rmsprop` (and
+    :func:`with_master_weights` around them) on CPU fp32 params and state,
+    laid out alike (no ZeRO, or ZeRO-3), read each element once and write the
+    new param, as ``torch.optim``'s ``fused=True`` does; with ``donate=True``
+    the params' own buffers take the new values (as in :func:`apply_updates`).
+    Everything else — other optimizers, dtypes, devices, ZeRO-1/2's
+    replicated params — runs ``update`` and :func:`apply_updates`, with the
+    same results (to about an ulp). The state passed in is consumed, as by
+    ``update``: keep the returned one.
+
+    Args:
+        optimizer: a :class:`GradientTransformation`.
+        grads: the gradients (a tree like ``params``).
+        state: the optimizer state (what ``init`` or the last step returned).
+        params: the params, a pytree of tensors or Sharded values.
+        donate: write the new params into the params' buffers.
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> opt = optim.adamw(0.1, weight_decay=0.0)
+    >>> params = {"w": torch.zeros(3)}
+    >>> state = opt.init(params)
+    >>> params, state = optim.step(opt, {"w": torch.tensor([1.0, -2.0, 0.0])}, state, params)
+    >>> params["w"]
+    tensor([-0.1000,  0.1000,  0.0000])
+    """
+    fused = getattr(optimizer, "step", None)
+    if fused is not None:
+        done = fused(grads, state, params, donate)
+        if done is not None:
+            return done
+    updates, state = optimizer.update(grads, state, params)
+    return apply_updates(params, updates, donate=donate), state
 
 
 def validate(

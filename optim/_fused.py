@@ -1,20 +1,42 @@
-"""Optimizers whose update runs as one native pass when it can: the state
-and the results are the reference chain's, and anything the kernel does not
-cover (other dtypes or devices, no compiler, ``SHARDAX_NO_NATIVE``) runs the
-reference itself."""
+"""Optimizers whose update runs as one native pass when it can, and whose
+step (:func:`shardax.optim.step`: update and apply in one) does too.
+
+The state and the results are the reference chain's; anything the kernels
+do not cover (other dtypes or devices, params laid out unlike the state —
+ZeRO-1/2 —, no compiler, ``SHARDAX_NO_NATIVE``) runs the reference itself.
+Every decision is taken before any collective or any write, from what all
+ranks see alike (dtypes, devices, layouts, the step's rate), so ranks never
+take different paths.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
 
+from ..shard._sharded import Sharded
 from ._base import Flat, GradientTransformation, transformation
-from ._transforms import ScaleByAdamState, ScaleByLionState, ScaleByScheduleState
+from ._transforms import (
+    ScaleByAdamState,
+    ScaleByLionState,
+    ScaleByRmsState,
+    ScaleByRssState,
+    ScaleByScheduleState,
+)
 
-__all__ = ["fused_adamw", "fused_lion"]
+__all__ = ["fused_adagrad", "fused_adamw", "fused_lion", "fused_rmsprop"]
+
+_GRADS = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}  # the kernels' dtype codes
+_SHADOWS = {torch.float16: 2, torch.bfloat16: 3}
+_IO = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+       ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]  # fmt: skip
+_SCALARS = {"sx_adamw": 8, "sx_lion": 4, "sx_adagrad": 3, "sx_rmsprop": 5}
+_STATE_PTRS = {"sx_adamw": 2, "sx_lion": 2, "sx_adagrad": 2, "sx_rmsprop": 2}
 
 
 def _lib() -> Any:
@@ -24,98 +46,42 @@ def _lib() -> Any:
 
     lib = OPTIM.load()
     if lib is not None and not getattr(lib, "_shardax_typed", False):
-        p, d = ctypes.c_void_p, ctypes.c_double
-        lib.sx_adamw_f32.argtypes = [p, p, p, p, p, ctypes.c_int64, d, d, d, d, d, d, d, d]
-        lib.sx_adamw_f32.restype = None
-        lib.sx_lion_f32.argtypes = [p, p, p, p, p, ctypes.c_int64, d, d, d, d]
-        lib.sx_lion_f32.restype = None
+        for name, scalars in _SCALARS.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p] * _STATE_PTRS[name] + _IO + [ctypes.c_double] * scalars
+            fn.restype = ctypes.c_int
+        lib.sx_threads.argtypes = [ctypes.c_int]
+        lib.sx_threads.restype = None
         lib._shardax_typed = True
     return lib
 
 
-def _fp32_cpu(tree: Any) -> bool:
-    """Every tensor leaf (Sharded or not) of ``tree`` is fp32 on the CPU —
-    the same answer on every rank."""
-    import optree
-
-    from ..shard._sharded import Sharded
-
+def _tensors(tree: Any) -> list[Any]:
     leaves = optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharded))
-    tensors = [x for x in leaves if isinstance(x, (torch.Tensor, Sharded))]
-    return bool(tensors) and all(
-        x.dtype == torch.float32 and x.device.type == "cpu" for x in tensors
-    )
+    return [x for x in leaves if isinstance(x, (torch.Tensor, Sharded))]
 
 
-def _or_reference(reference: GradientTransformation, native: Any) -> GradientTransformation:
-    """``reference``, whose update tries ``native`` first (None: not covered)."""
-
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        done = native(updates, state, params)
-        return done if done is not None else reference.update(updates, state, params)
-
-    return transformation(reference.init, update)
+def _on_cpu(tree: Any, dtypes: Any) -> bool:
+    """Every tensor leaf (Sharded or not) of ``tree`` is on the CPU with a
+    dtype in ``dtypes`` — the same answer on every rank."""
+    tensors = _tensors(tree)
+    return bool(tensors) and all(x.dtype in dtypes and x.device.type == "cpu" for x in tensors)
 
 
-def _chain_state(state: Any, first: type, wd: float, params: Any) -> bool:
-    """Whether ``state`` is the (``first``, decay, learning-rate) chain state
-    the kernel knows, with the params weight decay needs."""
-    return (
-        isinstance(state, tuple)
-        and len(state) == 3
-        and isinstance(state[0], first)
-        and not (wd and params is None)
-    )
-
-
-def fused_adamw(
-    reference: GradientTransformation, lr: Any, b1: float, b2: float, eps: float, wd: float
-) -> GradientTransformation:
-    """``reference`` (adamw's chain: scale_by_adam, add_decayed_weights,
-    scale_by_learning_rate), its update done by the native kernel when every
-    leaf is a contiguous fp32 CPU tensor."""
-
-    def _native(updates: Any, state: Any, params: Any) -> tuple[Any, Any] | None:
-        if not _chain_state(state, ScaleByAdamState, wd, params):
-            return None
-        adam, decay, sched = state
-        # Decide before any collective, from what every rank sees alike
-        # (dtypes, devices, the step's rate): the aligns below communicate,
-        # and ranks taking different paths would issue different collectives.
-        trees = [adam.mu, adam.nu, updates] + ([params] if wd else [])
-        if not all(_fp32_cpu(tree) for tree in trees):
-            return None
-        lib = _lib()
-        step_rate = _rate(lr, sched)
-        if lib is None or step_rate is None:
-            return None
-        rate, new_sched = step_rate
-        flat = Flat(adam.nu, "state.nu")
-        nu = flat.locals
-        mu = flat.same(adam.mu, "state.mu")
-        g = [x.contiguous() for x in flat.align(updates, "updates")]
-        p = [x.contiguous() for x in flat.align(params, "params")] if wd else [None] * len(nu)
-        t = int(adam.count) + 1
-        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-        out = []
-        for m, v, grad, param in zip(mu, nu, g, p, strict=True):
-            u = torch.empty(m.shape, dtype=m.dtype)
-            mc, vc = m.contiguous(), v.contiguous()  # the state is contiguous as made
-            if m.numel():
-                lib.sx_adamw_f32(
-                    mc.data_ptr(), vc.data_ptr(), grad.data_ptr(),
-                    None if param is None else param.data_ptr(), u.data_ptr(), m.numel(),
-                    1.0 - b1, b2, 1.0 - b2, bc2**0.5, eps, 1.0 / bc1, wd, -rate,
-                )  # fmt: skip
-            if mc.data_ptr() != m.data_ptr():
-                m.copy_(mc)
-            if vc.data_ptr() != v.data_ptr():
-                v.copy_(vc)
-            out.append(u)
-        new_adam = ScaleByAdamState(adam.count + 1, flat.build(mu), flat.build(nu))
-        return flat.build(out), (new_adam, decay, new_sched)
-
-    return _or_reference(reference, _native)
+def _laid_out_like(tree: Any, ref: Flat) -> bool:
+    """``tree``'s leaves are laid out as ``ref``'s (same structure, equal
+    layouts or plain tensors of equal shape): a step can write them in the
+    same pass as the state (ZeRO-3, no ZeRO; not ZeRO-1/2's replicated params)."""
+    leaves, spec = optree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Sharded))
+    if spec != ref.spec:
+        return False
+    for x, r in zip(leaves, ref.leaves, strict=True):
+        if isinstance(r, Sharded):
+            if not (isinstance(x, Sharded) and x.layout == r.layout and x.shape == r.shape):
+                return False
+        elif isinstance(x, Sharded) or x.shape != r.shape:
+            return False
+    return True
 
 
 def _rate(lr: Any, sched: Any) -> tuple[float, Any] | None:
@@ -129,39 +95,257 @@ def _rate(lr: Any, sched: Any) -> tuple[float, Any] | None:
     return float(lr), sched
 
 
+class _Pass:
+    """One fused pass per leaf: where the gradient, the param and the result
+    are. ``step``: the result is the new param (written into the param's own
+    buffer with ``donate``) and ``shadows`` (if given) receive it rounded to
+    their low precision; otherwise the result is the update."""
+
+    def __init__(
+        self,
+        flat: Flat,
+        updates: Any,
+        params: Any,
+        *,
+        step: bool,
+        donate: bool,
+        decay: bool,
+        shadows: Sequence[torch.Tensor] | None,
+    ) -> None:
+        n = len(flat)
+        self.flat, self.step = flat, step
+        self.g = [x.contiguous() for x in flat.align(updates, "updates")]
+        self.given = flat.align(params, "params") if step or decay else []
+        self.p: list[torch.Tensor | None] = (
+            [x.contiguous() for x in self.given] if step or decay else [None] * n
+        )
+        if step:
+            self.out = [
+                p if donate and p.data_ptr() == q.data_ptr() else torch.empty_like(p)
+                for p, q in zip(self.p, self.given, strict=True)  # type: ignore[arg-type]
+            ]
+        else:
+            self.out = [torch.empty(x.shape, dtype=torch.float32) for x in flat.locals]
+        self.donate = donate
+        self.shadows = list(shadows) if shadows is not None else None
+        _lib().sx_threads(torch.get_num_threads())  # as many threads as torch's ops use
+
+    def args(self, i: int) -> tuple[Any, ...]:
+        g, p, out = self.g[i], self.p[i], self.out[i]
+        shadow = self.shadows[i] if self.shadows is not None else None
+        return (
+            g.data_ptr(), _GRADS[g.dtype], None if p is None else p.data_ptr(), out.data_ptr(),
+            int(self.step), None if shadow is None else shadow.data_ptr(),
+            0 if shadow is None else _SHADOWS[shadow.dtype], out.numel(),
+        )  # fmt: skip
+
+    def result(self, params: Any) -> Any:
+        """The updates (a tree like the state), or the new params (like ``params``)."""
+        if not self.step:
+            return self.flat.build(self.out)
+        if self.donate:  # a non-contiguous param took its result in a copy
+            for given, out in zip(self.given, self.out, strict=True):
+                if given.data_ptr() != out.data_ptr():
+                    given.copy_(out)
+            self.out = list(self.given)
+        return Flat(params, "params").build(self.out)
+
+
+Native = Callable[..., "tuple[Any, Any] | None"]
+
+
+def _with_step(reference: GradientTransformation, native: Native) -> GradientTransformation:
+    """``reference``, whose update tries ``native`` first (None: not
+    covered), with a fused ``step`` of the same kernel."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        done = native(updates, state, params, step=False, donate=False, shadows=None)
+        return done if done is not None else reference.update(updates, state, params)
+
+    def step(
+        updates: Any,
+        state: Any,
+        params: Any,
+        donate: bool = False,
+        shadows: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[Any, Any] | None:
+        with torch.no_grad():
+            return native(updates, state, params, step=True, donate=donate, shadows=shadows)
+
+    step.reads_low_precision_grads = True  # type: ignore[attr-defined]  # see with_master_weights
+    return transformation(reference.init, update)._replace(step=step)
+
+
+def _parts(state: Any, core: type, length: int) -> tuple[Any, Any] | None:
+    """The core transform's state and the schedule's, from a chain state
+    ``(…, core, …, schedule)`` of ``length`` with ``core`` at index ``length - 2``
+    or 0."""
+    if not (isinstance(state, tuple) and len(state) == length):
+        return None
+    cores = [s for s in state[:-1] if isinstance(s, core)]
+    return (cores[0], state[-1]) if len(cores) == 1 else None
+
+
+def _prepare(
+    updates: Any,
+    params: Any,
+    state_trees: Sequence[Any],
+    *,
+    step: bool,
+    decay: bool,
+    shadows: Sequence[torch.Tensor] | None,
+    flat: Flat,
+    grads: tuple[torch.dtype, ...] = tuple(_GRADS),
+) -> bool:
+    """Whether the kernels cover this call (decided alike on every rank)."""
+    if not all(_on_cpu(t, (torch.float32,)) for t in state_trees):
+        return False
+    if not _on_cpu(updates, grads):
+        return False
+    if (step or decay) and not (params is not None and _on_cpu(params, (torch.float32,))):
+        return False
+    if step and not _laid_out_like(params, flat):
+        return False
+    if shadows is not None and not all(s.dtype in _SHADOWS and s.is_contiguous() for s in shadows):
+        return False
+    return _lib() is not None
+
+
+def _state_contiguous(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
+def _call(name: str, *args: Any) -> None:
+    code = getattr(_lib(), name)(*args)
+    if code != 0:  # the dtype tables and the kernel disagree: never return garbage
+        raise RuntimeError(f"the native {name} kernel refused its arguments ({code})")
+
+
+def fused_adamw(
+    reference: GradientTransformation, lr: Any, b1: float, b2: float, eps: float, wd: float
+) -> GradientTransformation:
+    """``reference`` (adamw's chain: scale_by_adam, add_decayed_weights,
+    scale_by_learning_rate), run by the native kernel when every leaf is a
+    CPU tensor: fp32 params and state, fp32/bf16/fp16 gradients."""
+
+    def native(updates: Any, state: Any, params: Any, *, step: bool, donate: bool,
+               shadows: Any) -> tuple[Any, Any] | None:  # fmt: skip
+        parts = _parts(state, ScaleByAdamState, 3)
+        if parts is None or (wd and params is None):
+            return None
+        adam, sched = parts
+        flat = Flat(adam.nu, "state.nu")
+        if not _prepare(updates, params, [adam.mu, adam.nu], step=step, decay=bool(wd),
+                        shadows=shadows, flat=flat):  # fmt: skip
+            return None
+        step_rate = _rate(lr, sched)
+        nu = flat.locals
+        mu = flat.same(adam.mu, "state.mu")
+        if step_rate is None or not _state_contiguous(mu + nu):
+            return None
+        rate, new_sched = step_rate
+        run = _Pass(flat, updates, params, step=step, donate=donate, decay=bool(wd),
+                    shadows=shadows)  # fmt: skip
+        t = int(adam.count) + 1
+        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        for i, (m, v) in enumerate(zip(mu, nu, strict=True)):
+            if m.numel():
+                _call("sx_adamw", m.data_ptr(), v.data_ptr(), *run.args(i),
+                      1.0 - b1, b2, 1.0 - b2, bc2**0.5, eps, 1.0 / bc1, wd, -rate)  # fmt: skip
+        new_adam = ScaleByAdamState(adam.count + 1, flat.build(mu), flat.build(nu))
+        return run.result(params), (new_adam, state[1], new_sched)
+
+    return _with_step(reference, native)
+
+
 def fused_lion(
     reference: GradientTransformation, lr: Any, b1: float, b2: float, wd: float
 ) -> GradientTransformation:
-    """``reference`` (lion's chain), its update done by the native kernel when
-    every leaf is an fp32 CPU tensor; like the reference, the new momentum is
-    a new buffer (the state passed in is left alone)."""
+    """``reference`` (lion's chain), run by the native kernel as
+    :func:`fused_adamw`; like the reference, the update leaves the momentum
+    passed in alone (a new buffer), while a step reuses it."""
 
-    def _native(updates: Any, state: Any, params: Any) -> tuple[Any, Any] | None:
-        if not _chain_state(state, ScaleByLionState, wd, params):
+    def native(updates: Any, state: Any, params: Any, *, step: bool, donate: bool,
+               shadows: Any) -> tuple[Any, Any] | None:  # fmt: skip
+        parts = _parts(state, ScaleByLionState, 3)
+        if parts is None or (wd and params is None):
             return None
-        lion, decay, sched = state
-        trees = [lion.mu, updates] + ([params] if wd else [])
-        if not all(_fp32_cpu(tree) for tree in trees):
-            return None
-        lib = _lib()
-        rate = _rate(lr, sched)
-        if lib is None or rate is None:
-            return None
+        lion, sched = parts
         flat = Flat(lion.mu, "state.mu")
-        mu = [m.contiguous() for m in flat.locals]
-        g = [x.contiguous() for x in flat.align(updates, "updates")]
-        p = [x.contiguous() for x in flat.align(params, "params")] if wd else [None] * len(mu)
-        out, new_mu = [], []
-        for m, grad, param in zip(mu, g, p, strict=True):
-            u, m2 = torch.empty(m.shape, dtype=m.dtype), torch.empty(m.shape, dtype=m.dtype)
+        if not _prepare(updates, params, [lion.mu], step=step, decay=bool(wd), shadows=shadows,
+                        flat=flat):  # fmt: skip
+            return None
+        rate = _rate(lr, sched)
+        mu = flat.locals
+        if rate is None or not _state_contiguous(mu):
+            return None
+        run = _Pass(flat, updates, params, step=step, donate=donate, decay=bool(wd),
+                    shadows=shadows)  # fmt: skip
+        new_mu = mu if step else [torch.empty_like(m) for m in mu]
+        for i, (m, m2) in enumerate(zip(mu, new_mu, strict=True)):
             if m.numel():
-                lib.sx_lion_f32(
-                    m.data_ptr(), grad.data_ptr(), None if param is None else param.data_ptr(),
-                    m2.data_ptr(), u.data_ptr(), m.numel(), 1.0 - b1, 1.0 - b2, wd, -rate[0],
-                )  # fmt: skip
-            out.append(u)
-            new_mu.append(m2)
+                _call("sx_lion", m.data_ptr(), m2.data_ptr(), *run.args(i),
+                      1.0 - b1, 1.0 - b2, wd, -rate[0])  # fmt: skip
         new_lion = ScaleByLionState(lion.count + 1, flat.build(new_mu))
-        return flat.build(out), (new_lion, decay, rate[1])
+        return run.result(params), (new_lion, state[1], rate[1])
 
-    return _or_reference(reference, _native)
+    return _with_step(reference, native)
+
+
+def _squares_optimizer(
+    reference: GradientTransformation,
+    lr: Any,
+    wd: float,
+    core: type,
+    field: str,
+    kernel: str,
+    scalars: Callable[[float], tuple[float, ...]],
+) -> GradientTransformation:
+    """Adagrad and RMSprop: ``[add_decayed_weights], core, scale_by_learning_rate``
+    with one accumulator of squares (the field ``field`` of ``core``'s state)."""
+    length = 3 if wd else 2
+    # The reference decays low-precision gradients in their own dtype (a
+    # rounding the kernel does not repeat): with decay, fp32 gradients only.
+    grads = (torch.float32,) if wd else tuple(_GRADS)
+
+    def native(updates: Any, state: Any, params: Any, *, step: bool, donate: bool,
+               shadows: Any) -> tuple[Any, Any] | None:  # fmt: skip
+        parts = _parts(state, core, length)
+        if parts is None or (wd and params is None):
+            return None
+        acc_state, sched = parts
+        flat = Flat(getattr(acc_state, field), f"state.{field}")
+        if not _prepare(updates, params, [getattr(acc_state, field)], step=step,
+                        decay=bool(wd), shadows=shadows, flat=flat, grads=grads):  # fmt: skip
+            return None
+        rate = _rate(lr, sched)
+        acc = flat.locals
+        if rate is None or not _state_contiguous(acc):
+            return None
+        run = _Pass(flat, updates, params, step=step, donate=donate, decay=bool(wd),
+                    shadows=shadows)  # fmt: skip
+        new_acc = acc if step else [torch.empty_like(a) for a in acc]
+        for i, (a, a2) in enumerate(zip(acc, new_acc, strict=True)):
+            if a.numel():
+                _call(kernel, a.data_ptr(), a2.data_ptr(), *run.args(i), *scalars(-rate[0]))
+        new_state = (*state[:-2], core(flat.build(new_acc)), rate[1])
+        return run.result(params), new_state
+
+    return _with_step(reference, native)
+
+
+def fused_adagrad(
+    reference: GradientTransformation, lr: Any, eps: float, wd: float
+) -> GradientTransformation:
+    """``reference`` (adagrad's chain), run by the native kernel as :func:`fused_adamw`."""
+    return _squares_optimizer(reference, lr, wd, ScaleByRssState, "sum_of_squares",
+                              "sx_adagrad", lambda neg_lr: (wd, eps, neg_lr))  # fmt: skip
+
+
+def fused_rmsprop(
+    reference: GradientTransformation, lr: Any, decay: float, eps: float, wd: float
+) -> GradientTransformation:
+    """``reference`` (rmsprop's chain, uncentered, without momentum), run by
+    the native kernel as :func:`fused_adamw`."""
+    return _squares_optimizer(reference, lr, wd, ScaleByRmsState, "nu", "sx_rmsprop",
+                              lambda neg_lr: (decay, 1.0 - decay, wd, eps, neg_lr))  # fmt: skip

@@ -95,7 +95,48 @@ def with_master_weights(
         ]
         return flat.build(out), MasterWeightsState(new_master, inner_state)
 
-    return transformation(init, update)
+    def step(
+        updates: Any, state: Any, params: Any, donate: bool = False, shadows: Any = None
+    ) -> tuple[Any, Any] | None:
+        # One pass where the inner optimizer has a fused step: it updates the
+        # master copy in place and writes the params, rounded, as it goes.
+        inner_step = getattr(inner, "step", None)
+        if inner_step is None or shadows is not None or not isinstance(state, MasterWeightsState):
+            return None
+        flat = Flat(state.master, "state.master")
+        leaves, spec = optree.tree_flatten(params, is_leaf=lambda x: isinstance(x, Sharded))
+        if spec != flat.spec or not all(
+            (x.layout == m.layout if isinstance(m, Sharded) else not isinstance(x, Sharded))
+            and x.shape == m.shape
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.device.type == "cpu"
+            for x, m in zip(leaves, flat.leaves, strict=True)
+        ):
+            return None  # laid out unlike the master copy (ZeRO-1/2), or not low precision
+        given = [x.local if isinstance(x, Sharded) else x for x in leaves]
+        targets = [
+            x if donate and x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
+            for x in given
+        ]
+        if not getattr(inner_step, "reads_low_precision_grads", False):
+            # as update does: the inner transformations see fp32 gradients
+            updates = flat.build([g.to(dtype) for g in flat.align(updates, "updates")])
+        done = inner_step(updates, state.inner_state, state.master, True, targets)
+        if done is None:
+            return None
+        new_master, inner_state = done
+        for x, t in zip(given, targets, strict=True):
+            if donate and t is not x:
+                x.copy_(t)
+        out = given if donate else targets
+        rebuilt = [
+            x.with_local(t) if isinstance(x, Sharded) else t
+            for x, t in zip(leaves, out, strict=True)
+        ]
+        new_params = optree.tree_unflatten(spec, rebuilt)
+        return new_params, MasterWeightsState(new_master, inner_state)
+
+    return transformation(init, update)._replace(step=step)
 
 
 # -- dynamic loss scaling ------------------------------------------------------------

@@ -228,6 +228,7 @@ SURFACE = {
         "scale_by_schedule",
         "scale_by_trust_ratio",
         "sgd",
+        "step",
         "trace",
         "warmup_cosine",
         "warmup_cosine_decay_schedule",

@@ -1,7 +1,10 @@
-"""The fused native AdamW update against the reference chain of transforms
-(``SHARDAX_NO_NATIVE=1``): the same state structure, moments equal, params
-within about an ulp after several steps — constant and scheduled learning
-rates, with and without weight decay; what it does not cover (bf16, a mask)
+"""The fused native optimizer kernels against the reference chains of
+transforms (``SHARDAX_NO_NATIVE=1``): AdamW, Lion, Adagrad and RMSprop, as
+``update`` + ``apply_updates`` and as one fused ``optim.step`` (into fresh
+params or donated ones), fp32 and bf16 gradients, constant and scheduled
+learning rates, with and without weight decay — the same state structure,
+values within about an ulp after several steps (Lion bit for bit); bf16
+params with fp32 master weights in one pass; what the kernels do not cover
 runs the reference; and the optimizer benchmark's smoke run."""
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,57 +23,144 @@ from shardax.kernels import OPTIM
 
 pytestmark = pytest.mark.skipif(OPTIM.load() is None, reason="no C++ compiler here")
 ROOT = Path(__file__).resolve().parents[2]
+STEPS = 8
+SCHEDULE = sx.optim.warmup_cosine_decay_schedule(1e-2, 2, STEPS)
+
+# name → (make(lr, wd), kernel, exact): each optimizer the kernels cover
+OPTIMIZERS: dict[str, tuple[Callable, str, bool]] = {
+    "adamw": (lambda lr, wd: sx.optim.adamw(lr, weight_decay=wd), "sx_adamw", False),
+    "lion": (lambda lr, wd: sx.optim.lion(lr, weight_decay=wd), "sx_lion", True),
+    "adagrad": (lambda lr, wd: sx.optim.adagrad(lr, weight_decay=wd, eps=1e-8), "sx_adagrad", False),
+    "rmsprop": (lambda lr, wd: sx.optim.rmsprop(lr, weight_decay=wd), "sx_rmsprop", False),
+}
 
 
-def steps(monkeypatch, native: bool, lr, wd: float, dtype=torch.float32, **kw):
-    if native:
+def native(monkeypatch, on: bool) -> None:
+    if on:
         monkeypatch.delenv("SHARDAX_NO_NATIVE", raising=False)
     else:
         monkeypatch.setenv("SHARDAX_NO_NATIVE", "1")
+
+
+def run(opt, via: str, dtype=torch.float32, grad_dtype=None, steps: int = STEPS):
     g = torch.Generator().manual_seed(0)
     params = {
         "w": torch.randn(4099, generator=g).to(dtype),
         "b": torch.randn(3, generator=g).to(dtype),
     }
-    opt = sx.optim.adamw(lr, weight_decay=wd, **kw)
     state = opt.init(params)
-    for _ in range(8):
-        grads = {k: torch.randn(v.shape, generator=g).to(dtype) for k, v in params.items()}
-        updates, state = opt.update(grads, state, params)
-        params = sx.optim.apply_updates(params, updates)
+    for _ in range(steps):
+        grads = {
+            k: torch.randn(v.shape, generator=g).to(grad_dtype or dtype) for k, v in params.items()
+        }
+        if via == "update":
+            updates, state = opt.update(grads, state, params)
+            params = sx.optim.apply_updates(params, updates)
+        else:
+            before = {k: v.data_ptr() for k, v in params.items()}
+            params, state = sx.optim.step(opt, grads, state, params, donate=via == "donate")
+            assert (via == "donate") == all(v.data_ptr() == before[k] for k, v in params.items())
     return params, state
 
 
+def spy(monkeypatch, kernel: str) -> list[int]:
+    from shardax.optim._fused import _lib
+
+    calls: list[int] = []
+    lib = _lib()  # typed: the spy wraps the real, typed function
+    real = getattr(lib, kernel)
+    monkeypatch.setattr(lib, kernel, lambda *a: (calls.append(1), real(*a))[1])
+    return calls
+
+
+def state_tensors(state) -> list[torch.Tensor]:
+    import optree
+
+    return [x for x in optree.tree_leaves(state) if isinstance(x, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("via", ["update", "step", "donate"])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
-@pytest.mark.parametrize("scheduled", [False, True], ids=["constant-lr", "schedule"])
-def test_fused_adamw_matches_the_reference(monkeypatch, wd, scheduled):
-    lr = sx.optim.warmup_cosine_decay_schedule(1e-2, 2, 8) if scheduled else 1e-2
-    fused, fstate = steps(monkeypatch, True, lr, wd)
-    ref, rstate = steps(monkeypatch, False, lr, wd)
-    assert [type(s).__name__ for s in fstate] == [type(s).__name__ for s in rstate]
-    assert int(fstate[0].count) == int(rstate[0].count) == 8
-    if scheduled:
-        assert int(fstate[2].count) == int(rstate[2].count) == 8
+@pytest.mark.parametrize("lr", [1e-2, SCHEDULE], ids=["constant-lr", "schedule"])
+@pytest.mark.parametrize("grads", [torch.float32, torch.bfloat16], ids=["fp32-grads", "bf16-grads"])
+def test_fused_matches_the_reference(monkeypatch, name, via, wd, lr, grads):
+    make, kernel, exact = OPTIMIZERS[name]
+    covered = not (wd and grads != torch.float32 and name in ("adagrad", "rmsprop"))
+    native(monkeypatch, False)
+    ref, rstate = run(make(lr, wd), "update", grad_dtype=grads)
+    native(monkeypatch, True)
+    calls = spy(monkeypatch, kernel)
+    got, state = run(make(lr, wd), via, grad_dtype=grads)
+    # the kernel really ran, every step, both leaves — or not at all where the
+    # reference rounds differently (it decays bf16 gradients in bf16)
+    assert len(calls) == (STEPS * 2 if covered else 0)
+    assert [type(s).__name__ for s in state] == [type(s).__name__ for s in rstate]
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 2e-7}
+    for a, b in zip(state_tensors(state), state_tensors(rstate), strict=True):
+        torch.testing.assert_close(a, b, **tol)
     for k in ref:
-        torch.testing.assert_close(fstate[0].mu[k], rstate[0].mu[k], rtol=0, atol=0)
-        torch.testing.assert_close(fused[k], ref[k], rtol=1e-6, atol=2e-7)
+        torch.testing.assert_close(got[k], ref[k], **tol)
 
 
-def test_fused_adamw_is_really_used(monkeypatch):
-    calls = []
-    lib = OPTIM.load()
-    real = lib.sx_adamw_f32
-    monkeypatch.setattr(lib, "sx_adamw_f32", lambda *a: (calls.append(1), real(*a))[1])
-    steps(monkeypatch, True, 1e-2, 0.1)
-    assert len(calls) == 8 * 2  # 8 steps, 2 leaves
+def test_an_update_leaves_the_params_alone_and_a_step_without_donate_too():
+    opt = sx.optim.adamw(1e-2)
+    params = {"w": torch.ones(5)}
+    state = opt.init(params)
+    new, _ = sx.optim.step(opt, {"w": torch.ones(5)}, state, params)
+    assert torch.equal(params["w"], torch.ones(5)) and not torch.equal(new["w"], params["w"])
 
 
-def test_what_the_kernel_does_not_cover_runs_the_reference(monkeypatch):
-    for kwargs in ({"dtype": torch.bfloat16}, {"mask": {"w": True, "b": False}}):
-        fused, _ = steps(monkeypatch, True, 1e-2, 0.1, **kwargs)
-        ref, _ = steps(monkeypatch, False, 1e-2, 0.1, **kwargs)
-        for k in ref:
-            assert torch.equal(fused[k], ref[k]), (kwargs, k)
+def test_what_the_kernels_do_not_cover_runs_the_reference(monkeypatch):
+    calls = spy(monkeypatch, "sx_adamw")
+    cases = [
+        ({"dtype": torch.bfloat16}, {}),  # bf16 state
+        ({}, {"mask": {"w": True, "b": False}}),  # a mask
+        ({}, {"amsgrad": True}),
+    ]
+    for run_kw, opt_kw in cases:
+        for via in ("update", "step"):
+            native(monkeypatch, True)
+            fused, _ = run(sx.optim.adamw(1e-2, weight_decay=0.1, **opt_kw), via, **run_kw)
+            native(monkeypatch, False)
+            ref, _ = run(sx.optim.adamw(1e-2, weight_decay=0.1, **opt_kw), "update", **run_kw)
+            for k in ref:
+                assert torch.equal(fused[k], ref[k]), (run_kw, opt_kw, via, k)
+    assert not calls
+    for opt in (sx.optim.rmsprop(1e-2, momentum=0.9), sx.optim.rmsprop(1e-2, centered=True)):
+        assert opt.step is None  # the chain's own update
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_bf16_params_with_fp32_master_weights_step_in_one_pass(monkeypatch, donate):
+    """``with_master_weights(adamw)``: one kernel call per leaf and step
+    updates the fp32 master copy and writes the bf16 params, as the
+    reference's update + apply_updates gives them."""
+
+    def go(fused: bool) -> tuple[dict, object]:
+        native(monkeypatch, fused)
+        g = torch.Generator().manual_seed(0)
+        params = {"w": torch.randn(1000, generator=g).to(torch.bfloat16)}
+        opt = sx.optim.with_master_weights(sx.optim.adamw(1e-2, weight_decay=0.1))
+        state = opt.init(params)
+        for _ in range(4):
+            grads = {"w": torch.randn(1000, generator=g).to(torch.bfloat16)}
+            if fused:
+                ptr = params["w"].data_ptr()
+                params, state = sx.optim.step(opt, grads, state, params, donate=donate)
+                assert (params["w"].data_ptr() == ptr) == donate
+            else:
+                updates, state = opt.update(grads, state, params)
+                params = sx.optim.apply_updates(params, updates)
+        return params, state
+
+    calls = spy(monkeypatch, "sx_adamw")
+    (fused, fstate), (ref, rstate) = go(True), go(False)
+    assert len(calls) == 4
+    assert fused["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(fstate.master["w"], rstate.master["w"], rtol=1e-6, atol=2e-7)
+    assert torch.equal(fused["w"], fstate.master["w"].to(torch.bfloat16))
+    torch.testing.assert_close(fused["w"].float(), ref["w"].float(), rtol=0, atol=2**-7)
 
 
 def test_optim_benchmark_smoke(tmp_path):
@@ -80,66 +171,39 @@ def test_optim_benchmark_smoke(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    assert set(result["results"]) == {
-        "shardax",
-        "shardax_reference",
-        "torch_foreach",
-        "torch_fused",
-    }
-    assert all(r["ms"] > 0 for r in result["results"].values())
+    assert {"shardax_step", "shardax", "shardax_reference", "torch_foreach", "torch_fused"} <= set(
+        result["results"]
+    )
+    assert all(r["ms"] > 0 for r in result["results"].values() if "ms" in r)
 
 
-def test_bf16_params_with_fp32_master_weights_use_the_kernel(monkeypatch):
-    """``with_master_weights(adamw)``: the inner AdamW steps the fp32 master
-    copy, so the fused kernel runs there (bf16 params, fp32 state)."""
-    calls = []
-    lib = OPTIM.load()
-    real = lib.sx_adamw_f32
-    monkeypatch.setattr(lib, "sx_adamw_f32", lambda *a: (calls.append(1), real(*a))[1])
+@pytest.mark.parametrize("master", [False, True], ids=["fp32", "bf16-master"])
+def test_a_chain_ending_in_a_fused_optimizer_steps_its_last_part_in_one_pass(monkeypatch, master):
+    """``chain(clip_by_global_norm, adamw)`` (what ``RunConfig`` builds, under
+    ``with_master_weights`` for bf16): the clipping's update, then AdamW's
+    one-pass step — the same params as update + apply_updates."""
 
-    def run(native: bool) -> dict:
-        if native:
-            monkeypatch.delenv("SHARDAX_NO_NATIVE", raising=False)
-        else:
-            monkeypatch.setenv("SHARDAX_NO_NATIVE", "1")
-        g = torch.Generator().manual_seed(0)
-        params = {"w": torch.randn(1000, generator=g).to(torch.bfloat16)}
-        opt = sx.optim.with_master_weights(sx.optim.adamw(1e-2, weight_decay=0.1))
-        state = opt.init(params)
-        for _ in range(4):
-            grads = {"w": torch.randn(1000, generator=g).to(torch.bfloat16)}
-            updates, state = opt.update(grads, state, params)
-            params = sx.optim.apply_updates(params, updates)
-        return params
+    def make():
+        opt = sx.optim.chain(sx.optim.clip_by_global_norm(0.5), sx.optim.adamw(1e-2))
+        return sx.optim.with_master_weights(opt) if master else opt
 
-    fused, ref = run(True), run(False)
-    assert len(calls) == 4
-    torch.testing.assert_close(fused["w"].float(), ref["w"].float(), rtol=0, atol=2**-7)
-
-
-@pytest.mark.parametrize("wd", [0.0, 0.1])
-@pytest.mark.parametrize("scheduled", [False, True], ids=["constant-lr", "schedule"])
-def test_fused_lion_is_bit_for_bit_the_reference(monkeypatch, wd, scheduled):
-    def run(native: bool):
-        if native:
-            monkeypatch.delenv("SHARDAX_NO_NATIVE", raising=False)
-        else:
-            monkeypatch.setenv("SHARDAX_NO_NATIVE", "1")
-        g = torch.Generator().manual_seed(0)
-        params = {"w": torch.randn(4099, generator=g), "b": torch.randn(3, generator=g)}
-        lr = sx.optim.warmup_cosine_decay_schedule(1e-3, 2, 8) if scheduled else 1e-3
-        opt = sx.optim.lion(lr, weight_decay=wd)
-        state = opt.init(params)
-        before = state[0].mu["w"].clone()
-        first = state
-        for _ in range(8):
-            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-            updates, state = opt.update(grads, state, params)
-            params = sx.optim.apply_updates(params, updates)
-        assert torch.equal(first[0].mu["w"], before)  # the old state is left alone
-        return params, state
-
-    (fused, fstate), (ref, rstate) = run(True), run(False)
+    dtype = torch.bfloat16 if master else torch.float32
+    native(monkeypatch, True)
+    calls = spy(monkeypatch, "sx_adamw")
+    got, _ = run(make(), "donate", dtype=dtype, steps=4)
+    assert len(calls) == 4 * 2
+    ref, _ = run(make(), "update", dtype=dtype, steps=4)
     for k in ref:
-        assert torch.equal(fused[k], ref[k]) and torch.equal(fstate[0].mu[k], rstate[0].mu[k])
-    assert int(fstate[0].count) == 8 and type(fstate[2]) is type(rstate[2])
+        torch.testing.assert_close(got[k].float(), ref[k].float(), rtol=1e-6, atol=2e-7)
+
+
+def test_a_chain_whose_last_step_does_not_cover_the_call_updates_and_applies(monkeypatch):
+    native(monkeypatch, False)  # no kernels: the chain's step falls back after the clipping
+    opt = sx.optim.chain(sx.optim.clip_by_global_norm(0.5), sx.optim.adamw(1e-2))
+    assert opt.step is not None
+    got, state = run(opt, "step", steps=3)
+    ref, rstate = run(opt, "update", steps=3)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert [type(s).__name__ for s in state] == [type(s).__name__ for s in rstate]
+    with pytest.raises(ValueError, match="needs the tuple of their 2 states"):
+        sx.optim.step(opt, {"w": torch.ones(1)}, (), {"w": torch.ones(1)})
