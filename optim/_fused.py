@@ -264,35 +264,15 @@ def fused_lion(
     """``reference`` (lion's chain), run by the native kernel as
     :func:`fused_adamw`; like the reference, the update leaves the momentum
     passed in alone (a new buffer), while a step reuses it."""
-
-    def native(updates: Any, state: Any, params: Any, *, step: bool, donate: bool,
-               shadows: Any) -> tuple[Any, Any] | None:  # fmt: skip
-        parts = _parts(state, ScaleByLionState, 3)
-        if parts is None or (wd and params is None):
-            return None
-        lion, sched = parts
-        flat = Flat(lion.mu, "state.mu")
-        if not _prepare(updates, params, [lion.mu], step=step, decay=bool(wd), shadows=shadows,
-                        flat=flat):  # fmt: skip
-            return None
-        rate = _rate(lr, sched)
-        mu = flat.locals
-        if rate is None or not _state_contiguous(mu):
-            return None
-        run = _Pass(flat, updates, params, step=step, donate=donate, decay=bool(wd),
-                    shadows=shadows)  # fmt: skip
-        new_mu = mu if step else [torch.empty_like(m) for m in mu]
-        for i, (m, m2) in enumerate(zip(mu, new_mu, strict=True)):
-            if m.numel():
-                _call("sx_lion", m.data_ptr(), m2.data_ptr(), *run.args(i),
-                      1.0 - b1, 1.0 - b2, wd, -rate[0])  # fmt: skip
-        new_lion = ScaleByLionState(lion.count + 1, flat.build(new_mu))
-        return run.result(params), (new_lion, state[1], rate[1])
-
-    return _with_step(reference, native)
+    return _one_buffer(
+        reference, lr, wd, ScaleByLionState, "mu", "sx_lion",
+        lambda neg_lr: (1.0 - b1, 1.0 - b2, wd, neg_lr),
+        lambda old, mu: ScaleByLionState(old.count + 1, mu),
+        length=3, grads=tuple(_GRADS),
+    )  # fmt: skip
 
 
-def _squares_optimizer(
+def _one_buffer(
     reference: GradientTransformation,
     lr: Any,
     wd: float,
@@ -300,36 +280,38 @@ def _squares_optimizer(
     field: str,
     kernel: str,
     scalars: Callable[[float], tuple[float, ...]],
+    rebuild: Callable[[Any, Any], Any],
+    *,
+    length: int,
+    grads: tuple[torch.dtype, ...],
 ) -> GradientTransformation:
-    """Adagrad and RMSprop: ``[add_decayed_weights], core, scale_by_learning_rate``
-    with one accumulator of squares (the field ``field`` of ``core``'s state)."""
-    length = 3 if wd else 2
-    # The reference decays low-precision gradients in their own dtype (a
-    # rounding the kernel does not repeat): with decay, fp32 gradients only.
-    grads = (torch.float32,) if wd else tuple(_GRADS)
+    """Lion, Adagrad and RMSprop: a chain of ``length`` states holding one
+    ``core`` transform with one buffer (its field ``field``; ``rebuild(old
+    core state, new buffer tree)`` makes the new one), ending in the learning
+    rate's. As the references, an update writes a new buffer; a step reuses it."""
 
     def native(updates: Any, state: Any, params: Any, *, step: bool, donate: bool,
                shadows: Any) -> tuple[Any, Any] | None:  # fmt: skip
         parts = _parts(state, core, length)
         if parts is None or (wd and params is None):
             return None
-        acc_state, sched = parts
-        flat = Flat(getattr(acc_state, field), f"state.{field}")
-        if not _prepare(updates, params, [getattr(acc_state, field)], step=step,
-                        decay=bool(wd), shadows=shadows, flat=flat, grads=grads):  # fmt: skip
+        old, sched = parts
+        flat = Flat(getattr(old, field), f"state.{field}")
+        if not _prepare(updates, params, [getattr(old, field)], step=step, decay=bool(wd),
+                        shadows=shadows, flat=flat, grads=grads):  # fmt: skip
             return None
         rate = _rate(lr, sched)
-        acc = flat.locals
-        if rate is None or not _state_contiguous(acc):
+        buf = flat.locals
+        if rate is None or not _state_contiguous(buf):
             return None
         run = _Pass(flat, updates, params, step=step, donate=donate, decay=bool(wd),
                     shadows=shadows)  # fmt: skip
-        new_acc = acc if step else [torch.empty_like(a) for a in acc]
-        for i, (a, a2) in enumerate(zip(acc, new_acc, strict=True)):
-            if a.numel():
-                _call(kernel, a.data_ptr(), a2.data_ptr(), *run.args(i), *scalars(-rate[0]))
-        new_state = (*state[:-2], core(flat.build(new_acc)), rate[1])
-        return run.result(params), new_state
+        new_buf = buf if step else [torch.empty_like(b) for b in buf]
+        for i, (b, b2) in enumerate(zip(buf, new_buf, strict=True)):
+            if b.numel():
+                _call(kernel, b.data_ptr(), b2.data_ptr(), *run.args(i), *scalars(-rate[0]))
+        new_state = [rebuild(old, flat.build(new_buf)) if s is old else s for s in state[:-1]]
+        return run.result(params), (*new_state, rate[1])
 
     return _with_step(reference, native)
 
@@ -338,8 +320,11 @@ def fused_adagrad(
     reference: GradientTransformation, lr: Any, eps: float, wd: float
 ) -> GradientTransformation:
     """``reference`` (adagrad's chain), run by the native kernel as :func:`fused_adamw`."""
-    return _squares_optimizer(reference, lr, wd, ScaleByRssState, "sum_of_squares",
-                              "sx_adagrad", lambda neg_lr: (wd, eps, neg_lr))  # fmt: skip
+    return _one_buffer(
+        reference, lr, wd, ScaleByRssState, "sum_of_squares", "sx_adagrad",
+        lambda neg_lr: (wd, eps, neg_lr), lambda _, acc: ScaleByRssState(acc),
+        length=3 if wd else 2, grads=_decayed_grads(wd),
+    )  # fmt: skip
 
 
 def fused_rmsprop(
@@ -347,5 +332,15 @@ def fused_rmsprop(
 ) -> GradientTransformation:
     """``reference`` (rmsprop's chain, uncentered, without momentum), run by
     the native kernel as :func:`fused_adamw`."""
-    return _squares_optimizer(reference, lr, wd, ScaleByRmsState, "nu", "sx_rmsprop",
-                              lambda neg_lr: (decay, 1.0 - decay, wd, eps, neg_lr))  # fmt: skip
+    return _one_buffer(
+        reference, lr, wd, ScaleByRmsState, "nu", "sx_rmsprop",
+        lambda neg_lr: (decay, 1.0 - decay, wd, eps, neg_lr), lambda _, nu: ScaleByRmsState(nu),
+        length=3 if wd else 2, grads=_decayed_grads(wd),
+    )  # fmt: skip
+
+
+def _decayed_grads(wd: float) -> tuple[torch.dtype, ...]:
+    """The gradient dtypes Adagrad and RMSprop's kernels take: the reference
+    decays low-precision gradients in their own dtype (a rounding the kernel
+    does not repeat), so with decay, fp32 only."""
+    return (torch.float32,) if wd else tuple(_GRADS)

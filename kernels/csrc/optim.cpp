@@ -108,6 +108,13 @@ int run(const Io& io, int64_t n, const Rule& rule) {
   }
 }
 
+// g / (sqrt(v) + eps) · neg_lr, rounded step by step as the reference.
+inline float scaled(float g, float v, float eps, float neg_lr) {
+  float d = std::sqrt(v);
+  d = d + eps;
+  return (g / d) * neg_lr;
+}
+
 // ``run`` with ``rule(i, g_i, decay)``, ``decay`` a compile-time bool (a
 // branch per element would keep the compiler from vectorising the loop).
 template <class Rule>
@@ -199,9 +206,7 @@ int sx_adagrad(const float* acc, float* acc_out, const void* g, int g_type, cons
     if constexpr (decltype(with_decay)::value) gi = std::fma(wd, p[i], gi);
     const float a = std::fma(gi, gi, acc[i]);
     acc_out[i] = a;
-    float d = std::sqrt(a);
-    d = d + eps;
-    return (gi / d) * neg_lr;
+    return scaled(gi, a, eps, neg_lr);
   });
 }
 
@@ -222,9 +227,7 @@ int sx_rmsprop(const float* nu, float* nu_out, const void* g, int g_type, const 
     if constexpr (decltype(with_decay)::value) gi = std::fma(wd, p[i], gi);
     const float v = std::fma(w * gi, gi, nu[i] * decay);
     nu_out[i] = v;
-    float d = std::sqrt(v);
-    d = d + eps;
-    return (gi / d) * neg_lr;
+    return scaled(gi, v, eps, neg_lr);
   });
 }
 
