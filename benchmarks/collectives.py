@@ -15,6 +15,12 @@ bandwidth of a buffer that size (``memcpy_GBps``: the most any copy through
 memory can do; ``shardax_vs_memcpy`` is the shared-memory busbw's fraction
 of it). With ``SHARDAX_BACKEND=torch`` the shardax column is gloo too.
 
+All-reduce runs twice: in place on a reused buffer (``all_reduce``:
+torch's ``all_reduce`` against ``psum(x, out=x)``) and into a new tensor
+each call (``all_reduce_new``: torch's ``all_reduce`` of a fresh copy
+against the functional ``psum``). The other ops write into a preallocated
+output on the torch side and a new one on shardax's.
+
 All-reduce has a third column where DeepSpeed is importable (``pip install
 'shardax[bench]'``): DeepSpeed's shared-memory all-reduce on CPU (the op
 behind ``deepspeed.comm.inference_all_reduce``, built by
@@ -79,14 +85,27 @@ def cases(
     out_full, out_piece = torch.empty(chunk * n), torch.empty(chunk)
     grid = full.view(n, chunk)
     a2a_out = torch.empty(chunk * n)
+    # In place on a reused buffer (what DDP's buckets do: torch's and
+    # DeepSpeed's calls are in place), each implementation on its own buffer
+    # (the sums grow from rep to rep alike: the values do not matter).
+    mine = {name: torch.randn(chunk * n) for name in ("torch", "shardax", "deepspeed")}
     all_reduce = {
-        "torch": lambda: dist.all_reduce(full),
-        "shardax": lambda: C.psum(full, "x", mesh=mesh),
+        "torch": lambda: dist.all_reduce(mine["torch"]),
+        "shardax": lambda: C.psum(mine["shardax"], "x", mesh=mesh, out=mine["shardax"]),
     }
     if ds_all_reduce is not None:
-        all_reduce["deepspeed"] = lambda: ds_all_reduce(full)
+        all_reduce["deepspeed"] = lambda: ds_all_reduce(mine["deepspeed"])
     return {
         "all_reduce": (2 * (n - 1) / n, all_reduce),
+        # Into a new tensor each call: the functional psum, and torch's
+        # all-reduce of a fresh copy (the allocation costs both the same).
+        "all_reduce_new": (
+            2 * (n - 1) / n,
+            {
+                "torch": lambda: dist.all_reduce(full.clone()),
+                "shardax": lambda: C.psum(full, "x", mesh=mesh),
+            },
+        ),
         "all_gather": (
             (n - 1) / n,
             {

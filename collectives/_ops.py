@@ -110,6 +110,7 @@ class Op:
 @attrs.frozen
 class AllReduce(Op):
     reduce: str = "sum"  # sum | mean | max | min
+    out: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
     name: ClassVar[str] = "psum"
 
     def start(self, x: torch.Tensor) -> Handle:
@@ -118,11 +119,15 @@ class AllReduce(Op):
             raise CollectiveError(
                 f"pmean over {self.group.label} needs a floating dtype, got {x.dtype}"
             )
+        if self.out is not None:
+            _check_out(name, self.group, x, self.out)
         if self.group.size == 1:
-            return Handle.ready(x)
+            if self.out is None or self.out is x:
+                return Handle.ready(x)
+            return Handle.ready(self.out.copy_(x))
         src = x.detach()
         src = src if src.is_contiguous() else src.contiguous()
-        buf = torch.empty_like(src)
+        buf = torch.empty_like(src) if self.out is None else self.out
         op = "sum" if self.reduce == "mean" else self.reduce
         n = self.group.size
 
@@ -130,6 +135,24 @@ class AllReduce(Op):
             return buf.div_(n) if self.reduce == "mean" else buf
 
         return start(self.group, name, lambda b: b.all_reduce_out(buf, src, op, self.group), finish)
+
+
+def _check_out(what: str, group: Group, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` can take ``what``'s result of ``x`` in place of a new tensor."""
+    problem = None
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        problem = (
+            f"out is {out.dtype} {tuple(out.shape)} on {out.device}, x is {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}; they must match"
+        )
+    elif not out.is_contiguous():
+        problem = "out is not contiguous"
+    elif torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+        problem = "out= is not differentiable: x (or out) requires grad; drop out= under autograd"
+    elif out is not x and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        problem = "out shares memory with x without being x; pass out=x for in place"
+    if problem is not None:
+        raise CollectiveError(f"{what}(out=) over {group.label}: {problem}")
 
 
 @attrs.frozen
@@ -231,6 +254,9 @@ class AllToAll(Op):
         out = send.new_empty(sum(out_splits))
 
         def finish() -> torch.Tensor:
+            if math.prod([mine, *rest[:cd]]) == 1:  # the pieces already lie in concat order
+                whole = [mine, *rest[:cd], sum(self.concat_sizes), *rest[cd + 1 :]]
+                return out.view(whole).movedim(0, self.split_dim)
             parts = torch.split(out, out_splits)
             blocks = [p.view(s) for p, s in zip(parts, shapes, strict=True)]
             return torch.cat(blocks, dim=1 + cd).movedim(0, self.split_dim)
@@ -361,7 +387,7 @@ def _inverse(perm: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
 
 
 _TRANSPOSE: dict[type, Callable[[Any], Op | None]] = {
-    AllReduce: lambda op: op if op.reduce in ("sum", "mean") else None,
+    AllReduce: lambda op: attrs.evolve(op, out=None) if op.reduce in ("sum", "mean") else None,
     AllGather: lambda op: ReduceScatter(op.group, op.dim, op.sizes),
     ReduceScatter: lambda op: AllGather(op.group, op.dim, op.sizes),
     AllToAll: lambda op: AllToAll(

@@ -6,11 +6,13 @@ Built on first use by the system C++ compiler into a per-version cache
 missing compiler is one warning and the pure-torch paths, never an import
 error. ``shardax report`` lists each library's status.
 
-- ``shm``: the shared-memory collective backend's core (a barrier over a
-  shared segment, reductions of fp32/fp64/fp16/bf16/int32/int64).
-- ``optim``: fused optimizer steps — AdamW's and Lion's update in one pass
-  over gradient, moments and parameter — used by :func:`shardax.optim.adamw`
-  and :func:`shardax.optim.lion` for fp32 CPU tensors.
+- ``shm``: the shared-memory collective backend's core — every collective
+  in one call, pipelined in cache-sized chunks through per-member rings with
+  counters (reductions of fp32/fp64/fp16/bf16/int32/int64).
+- ``optim``: fused optimizer steps — AdamW, Lion, Adagrad and RMSprop in one
+  pass over gradient, state and parameter (writing the update, or the new
+  param and its bf16/fp16 copy) — used by :mod:`shardax.optim` for fp32 CPU
+  state (:func:`shardax.optim.step`).
 """
 
 from __future__ import annotations

@@ -43,6 +43,20 @@ def test_bad_arguments_raise_collective_error():
             C.psum(torch.ones(2), "tp")
 
 
+def test_psum_out_must_fit_and_not_need_gradients():
+    mesh = sx.Mesh({"dp": 1})
+    x = torch.ones(4)
+    with pytest.raises(CollectiveError, match=r"psum\(out=\).*out is torch.float32 \(3,\).*match"):
+        C.psum(x, "dp", mesh=mesh, out=torch.empty(3))
+    with pytest.raises(CollectiveError, match=r"pmean\(out=\).*not contiguous"):
+        C.pmean(x, "dp", mesh=mesh, out=torch.empty(4, 2)[:, 0])
+    with pytest.raises(CollectiveError, match="not differentiable"):
+        C.psum(torch.ones(4, requires_grad=True), "dp", mesh=mesh, out=torch.empty(4))
+    y = torch.ones(8)
+    with pytest.raises(CollectiveError, match="pass out=x for in place"):
+        C.psum(y[:4], "dp", mesh=mesh, out=y[4:])
+
+
 def test_unknown_backend_is_named(monkeypatch):
     monkeypatch.setenv("SHARDAX_BACKEND", "mpi")
     with pytest.raises(

@@ -30,7 +30,11 @@ SCHEDULE = sx.optim.warmup_cosine_decay_schedule(1e-2, 2, STEPS)
 OPTIMIZERS: dict[str, tuple[Callable, str, bool]] = {
     "adamw": (lambda lr, wd: sx.optim.adamw(lr, weight_decay=wd), "sx_adamw", False),
     "lion": (lambda lr, wd: sx.optim.lion(lr, weight_decay=wd), "sx_lion", True),
-    "adagrad": (lambda lr, wd: sx.optim.adagrad(lr, weight_decay=wd, eps=1e-8), "sx_adagrad", False),
+    "adagrad": (
+        lambda lr, wd: sx.optim.adagrad(lr, weight_decay=wd, eps=1e-8),
+        "sx_adagrad",
+        False,
+    ),
     "rmsprop": (lambda lr, wd: sx.optim.rmsprop(lr, weight_decay=wd), "sx_rmsprop", False),
 }
 
