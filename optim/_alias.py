@@ -84,12 +84,20 @@ def adam(
     >>> updates, _ = opt.update(torch.tensor([1.0, -1.0]), opt.init(params), params)
     >>> updates
     tensor([-0.1000,  0.1000])
+
+    Without ``amsgrad``, ``nesterov`` or ``mu_dtype``, on fp32 CPU tensors,
+    the update (and :func:`step`) is one native pass, as for :func:`adamw`.
     """
-    return _chain(
+    reference = _chain(
         add_decayed_weights(weight_decay) if weight_decay else None,
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
         scale_by_learning_rate(lr),
     )
+    if amsgrad or nesterov or mu_dtype is not None:
+        return reference
+    from ._fused import fused_adamw
+
+    return fused_adamw(reference, lr, b1, b2, eps, weight_decay, l2=True)
 
 
 def adamw(

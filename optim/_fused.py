@@ -35,8 +35,7 @@ _GRADS = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}  # the kernels'
 _SHADOWS = {torch.float16: 2, torch.bfloat16: 3}
 _IO = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]  # fmt: skip
-_SCALARS = {"sx_adamw": 8, "sx_lion": 4, "sx_adagrad": 3, "sx_rmsprop": 5}
-_STATE_PTRS = {"sx_adamw": 2, "sx_lion": 2, "sx_adagrad": 2, "sx_rmsprop": 2}
+_SCALARS = {"sx_adamw": 8, "sx_adam_l2": 8, "sx_lion": 4, "sx_adagrad": 3, "sx_rmsprop": 5}
 
 
 def _lib() -> Any:
@@ -48,7 +47,7 @@ def _lib() -> Any:
     if lib is not None and not getattr(lib, "_shardax_typed", False):
         for name, scalars in _SCALARS.items():
             fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p] * _STATE_PTRS[name] + _IO + [ctypes.c_double] * scalars
+            fn.argtypes = [ctypes.c_void_p] * 2 + _IO + [ctypes.c_double] * scalars  # 2 state
             fn.restype = ctypes.c_int
         lib.sx_threads.argtypes = [ctypes.c_int]
         lib.sx_threads.restype = None
@@ -222,21 +221,33 @@ def _call(name: str, *args: Any) -> None:
 
 
 def fused_adamw(
-    reference: GradientTransformation, lr: Any, b1: float, b2: float, eps: float, wd: float
+    reference: GradientTransformation,
+    lr: Any,
+    b1: float,
+    b2: float,
+    eps: float,
+    wd: float,
+    *,
+    l2: bool = False,
 ) -> GradientTransformation:
     """``reference`` (adamw's chain: scale_by_adam, add_decayed_weights,
-    scale_by_learning_rate), run by the native kernel when every leaf is a
-    CPU tensor: fp32 params and state, fp32/bf16/fp16 gradients."""
+    scale_by_learning_rate — or with ``l2``, adam's: add_decayed_weights
+    when ``wd``, scale_by_adam, scale_by_learning_rate), run by the native
+    kernel when every leaf is a CPU tensor: fp32 params and state,
+    fp32/bf16/fp16 gradients (fp32 for Adam's L2 decay, as for Adagrad)."""
+    length = (3 if wd else 2) if l2 else 3
+    grads = _decayed_grads(wd) if l2 else tuple(_GRADS)
+    kernel = "sx_adam_l2" if l2 else "sx_adamw"
 
     def native(updates: Any, state: Any, params: Any, *, step: bool, donate: bool,
                shadows: Any) -> tuple[Any, Any] | None:  # fmt: skip
-        parts = _parts(state, ScaleByAdamState, 3)
+        parts = _parts(state, ScaleByAdamState, length)
         if parts is None or (wd and params is None):
             return None
         adam, sched = parts
         flat = Flat(adam.nu, "state.nu")
         if not _prepare(updates, params, [adam.mu, adam.nu], step=step, decay=bool(wd),
-                        shadows=shadows, flat=flat):  # fmt: skip
+                        shadows=shadows, flat=flat, grads=grads):  # fmt: skip
             return None
         step_rate = _rate(lr, sched)
         nu = flat.locals
@@ -250,10 +261,11 @@ def fused_adamw(
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         for i, (m, v) in enumerate(zip(mu, nu, strict=True)):
             if m.numel():
-                _call("sx_adamw", m.data_ptr(), v.data_ptr(), *run.args(i),
+                _call(kernel, m.data_ptr(), v.data_ptr(), *run.args(i),
                       1.0 - b1, b2, 1.0 - b2, bc2**0.5, eps, 1.0 / bc1, wd, -rate)  # fmt: skip
         new_adam = ScaleByAdamState(adam.count + 1, flat.build(mu), flat.build(nu))
-        return run.result(params), (new_adam, state[1], new_sched)
+        new_state = [new_adam if s is adam else s for s in state[:-1]]
+        return run.result(params), (*new_state, new_sched)
 
     return _with_step(reference, native)
 

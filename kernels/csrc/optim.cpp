@@ -139,6 +139,42 @@ void sx_threads(int n) {
 #endif
 }
 
+}  // extern "C"
+
+namespace {
+
+// Adam's update, the weight decay decoupled (AdamW) or, with ``L2``, added
+// to the gradient first (Adam's L2): see sx_adamw and sx_adam_l2.
+template <bool L2>
+int adam(float* mu, float* nu, const void* g, int g_type, const float* p, float* out, int apply,
+         void* shadow, int shadow_type, int64_t n, double w1_, double b2_, double w2_,
+         double sbc2_, double eps_, double inv_bc1_, double wd_, double neg_lr_) {
+  const float w1 = static_cast<float>(w1_), fb2 = static_cast<float>(b2_);
+  const float w2 = static_cast<float>(w2_), sbc2 = static_cast<float>(sbc2_);
+  const float eps = static_cast<float>(eps_), inv_bc1 = static_cast<float>(inv_bc1_);
+  const float wd = static_cast<float>(wd_), neg_lr = static_cast<float>(neg_lr_);
+  if (wd_ != 0.0 && p == nullptr) return -1;
+  const Io io{g, g_type, p, out, apply, shadow, shadow_type};
+  return run_decay(io, n, wd_ != 0.0, [=](int64_t i, float gi, auto with_decay) {
+    constexpr bool decay = decltype(with_decay)::value;
+    if constexpr (decay && L2) gi = std::fma(wd, p[i], gi);
+    const float m = lerp(mu[i], gi, w1);
+    const float v = std::fma(w2 * gi, gi, nu[i] * fb2);
+    float d = std::sqrt(v);
+    d = d / sbc2;
+    d = d + eps;
+    float u = (1.0f / (d / m)) * inv_bc1;
+    if constexpr (decay && !L2) u = std::fma(wd, p[i], u);
+    mu[i] = m;
+    nu[i] = v;
+    return u * neg_lr;
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
 // AdamW (adamw: scale_by_adam, add_decayed_weights, scale_by_learning_rate):
 //   mu ← lerp(mu, g, w1)                      (in place)
 //   nu ← fma(w2·g, g, nu·b2)                  (in place)
@@ -149,26 +185,20 @@ void sx_threads(int n) {
 // with the scalars computed by the caller as the reference computes them, in
 // double, and rounded to float here.
 int sx_adamw(float* mu, float* nu, const void* g, int g_type, const float* p, float* out,
-             int apply, void* shadow, int shadow_type, int64_t n, double w1_, double b2_,
-             double w2_, double sbc2_, double eps_, double inv_bc1_, double wd_, double neg_lr_) {
-  const float w1 = static_cast<float>(w1_), fb2 = static_cast<float>(b2_);
-  const float w2 = static_cast<float>(w2_), sbc2 = static_cast<float>(sbc2_);
-  const float eps = static_cast<float>(eps_), inv_bc1 = static_cast<float>(inv_bc1_);
-  const float wd = static_cast<float>(wd_), neg_lr = static_cast<float>(neg_lr_);
-  if (wd_ != 0.0 && p == nullptr) return -1;
-  const Io io{g, g_type, p, out, apply, shadow, shadow_type};
-  return run_decay(io, n, wd_ != 0.0, [=](int64_t i, float gi, auto with_decay) {
-    const float m = lerp(mu[i], gi, w1);
-    const float v = std::fma(w2 * gi, gi, nu[i] * fb2);
-    float d = std::sqrt(v);
-    d = d / sbc2;
-    d = d + eps;
-    float u = (1.0f / (d / m)) * inv_bc1;
-    if constexpr (decltype(with_decay)::value) u = std::fma(wd, p[i], u);
-    mu[i] = m;
-    nu[i] = v;
-    return u * neg_lr;
-  });
+             int apply, void* shadow, int shadow_type, int64_t n, double w1, double b2, double w2,
+             double sbc2, double eps, double inv_bc1, double wd, double neg_lr) {
+  return adam<false>(mu, nu, g, g_type, p, out, apply, shadow, shadow_type, n, w1, b2, w2, sbc2,
+                     eps, inv_bc1, wd, neg_lr);
+}
+
+// Adam with L2 (adam: [add_decayed_weights], scale_by_adam,
+// scale_by_learning_rate): g ← fma(wd, p, g) when wd ≠ 0, then AdamW's
+// update without its decoupled decay.
+int sx_adam_l2(float* mu, float* nu, const void* g, int g_type, const float* p, float* out,
+               int apply, void* shadow, int shadow_type, int64_t n, double w1, double b2,
+               double w2, double sbc2, double eps, double inv_bc1, double wd, double neg_lr) {
+  return adam<true>(mu, nu, g, g_type, p, out, apply, shadow, shadow_type, n, w1, b2, w2, sbc2,
+                    eps, inv_bc1, wd, neg_lr);
 }
 
 // Lion (lion: scale_by_lion, add_decayed_weights, scale_by_learning_rate):

@@ -29,6 +29,7 @@ SCHEDULE = sx.optim.warmup_cosine_decay_schedule(1e-2, 2, STEPS)
 # name → (make(lr, wd), kernel, exact): each optimizer the kernels cover
 OPTIMIZERS: dict[str, tuple[Callable, str, bool]] = {
     "adamw": (lambda lr, wd: sx.optim.adamw(lr, weight_decay=wd), "sx_adamw", False),
+    "adam": (lambda lr, wd: sx.optim.adam(lr, weight_decay=wd), "sx_adam_l2", False),
     "lion": (lambda lr, wd: sx.optim.lion(lr, weight_decay=wd), "sx_lion", True),
     "adagrad": (
         lambda lr, wd: sx.optim.adagrad(lr, weight_decay=wd, eps=1e-8),
@@ -90,7 +91,7 @@ def state_tensors(state) -> list[torch.Tensor]:
 @pytest.mark.parametrize("grads", [torch.float32, torch.bfloat16], ids=["fp32-grads", "bf16-grads"])
 def test_fused_matches_the_reference(monkeypatch, name, via, wd, lr, grads):
     make, kernel, exact = OPTIMIZERS[name]
-    covered = not (wd and grads != torch.float32 and name in ("adagrad", "rmsprop"))
+    covered = not (wd and grads != torch.float32 and name in ("adam", "adagrad", "rmsprop"))
     native(monkeypatch, False)
     ref, rstate = run(make(lr, wd), "update", grad_dtype=grads)
     native(monkeypatch, True)

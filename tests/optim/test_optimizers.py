@@ -154,7 +154,13 @@ OPTIMIZERS: dict[str, Case] = {
     ),
 }
 NAMES = list(OPTIMIZERS)
-FUSED = ["adamw", "adagrad", "rmsprop", "lion"]  # the cases optim.step runs in one native pass
+FUSED = [
+    "adam",
+    "adamw",
+    "adagrad",
+    "rmsprop",
+    "lion",
+]  # the cases optim.step runs in one native pass
 
 
 # -- the reference comparison -----------------------------------------------------
