@@ -321,8 +321,6 @@ class ShmBackend:
         everything else through the fallback; a segment that cannot be made
         leaves the group to the fallback."""
         ranks = tuple(state.ranks)
-        if ranks in self.segments or ranks in self.hierarchies:
-            return
         import torch.distributed as dist
 
         me_global = dist.get_rank()
@@ -331,12 +329,17 @@ class ShmBackend:
         key = "shardax/shm/" + "-".join(map(str, ranks)) + f"/{generation}"
         store.set(f"{key}/node/{me}", node_id())
         nodes = [store.get(f"{key}/node/{i}").decode() for i in range(len(ranks))]
+        # Segments are kept per rank set (groups of the same ranks share one);
+        # the latest attach decides where they live (SHARDAX_NODE_ID can move
+        # ranks between "nodes" within a process).
         if len(set(nodes)) > 1:
             hier = _hierarchical.hierarchy(ranks, nodes, me_global, state, self)
             if hier.local is not None:  # the members on this node map their own segment
                 self._map(tuple(hier.local.state.ranks), store)  # type: ignore[union-attr]
             self.hierarchies[ranks] = hier
+            self.segments.pop(ranks, None)
             return
+        self.hierarchies.pop(ranks, None)
         self._map(ranks, store, key)
 
     def _map(self, ranks: tuple[int, ...], store: Any, key: str | None = None) -> None:

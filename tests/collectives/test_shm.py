@@ -256,12 +256,19 @@ def in_flight(tmp: str) -> list:
         refs = [op(False) for op in ops]  # also makes the groups (a collective step)
         gate = Path(tmp, "issued")
         if mesh.rank != 0:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 60
             while not gate.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
-        handles = [op(True) for op in ops]
+            if not gate.exists():  # rank 0 blocked issuing: the others must not hide it
+                raise AssertionError("rank 0 did not issue its collectives without waiting")
+        issue = []
+        handles = []
+        for op in ops:
+            t0 = time.monotonic()
+            handles.append(op(True))
+            issue.append(time.monotonic() - t0)
         if mesh.rank == 0:
-            gate.write_text("")
+            gate.write_text(repr(issue))
         outs = [h.wait() for h in reversed(handles)][::-1]
         return [torch.equal(o, r) for o, r in zip(outs, refs, strict=True)]
     finally:
