@@ -12,6 +12,7 @@ take different paths.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,8 +20,9 @@ from typing import Any
 import optree
 import torch
 
+from ..kernels import OPTIM
 from ..shard._sharded import Sharded
-from ._base import Flat, GradientTransformation, transformation
+from ._base import Flat, GradientTransformation, align_leaf, leaf_path, local, transformation
 from ._transforms import (
     ScaleByAdamState,
     ScaleByLionState,
@@ -41,8 +43,6 @@ _SCALARS = {"sx_adamw": 8, "sx_adam_l2": 8, "sx_lion": 4, "sx_adagrad": 3, "sx_r
 def _lib() -> Any:
     if os.environ.get("SHARDAX_NO_NATIVE"):
         return None
-    from ..kernels import OPTIM
-
     lib = OPTIM.load()
     if lib is not None and not getattr(lib, "_shardax_typed", False):
         for name, scalars in _SCALARS.items():
@@ -55,25 +55,21 @@ def _lib() -> Any:
     return lib
 
 
-def _tensors(tree: Any) -> list[Any]:
-    leaves = optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharded))
-    return [x for x in leaves if isinstance(x, (torch.Tensor, Sharded))]
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, Sharded)
 
 
-def _on_cpu(tree: Any, dtypes: Any) -> bool:
-    """Every tensor leaf (Sharded or not) of ``tree`` is on the CPU with a
-    dtype in ``dtypes`` — the same answer on every rank."""
-    tensors = _tensors(tree)
+def _covered(leaves: Sequence[Any], dtypes: Any) -> bool:
+    """Every tensor leaf (Sharded or not) is on the CPU with a dtype in
+    ``dtypes`` — the same answer on every rank (no data is looked at)."""
+    tensors = [x for x in leaves if isinstance(x, (torch.Tensor, Sharded))]
     return bool(tensors) and all(x.dtype in dtypes and x.device.type == "cpu" for x in tensors)
 
 
-def _laid_out_like(tree: Any, ref: Flat) -> bool:
-    """``tree``'s leaves are laid out as ``ref``'s (same structure, equal
-    layouts or plain tensors of equal shape): a step can write them in the
-    same pass as the state (ZeRO-3, no ZeRO; not ZeRO-1/2's replicated params)."""
-    leaves, spec = optree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Sharded))
-    if spec != ref.spec:
-        return False
+def _laid_out_like(leaves: Sequence[Any], ref: Flat) -> bool:
+    """``leaves`` are laid out as ``ref``'s (equal layouts, or plain tensors
+    of equal shape): a step can write them in the same pass as the state
+    (ZeRO-3, no ZeRO; not ZeRO-1/2's replicated params)."""
     for x, r in zip(leaves, ref.leaves, strict=True):
         if isinstance(r, Sharded):
             if not (isinstance(x, Sharded) and x.layout == r.layout and x.shape == r.shape):
@@ -98,11 +94,31 @@ class _Pass:
     """One fused pass per leaf: where the gradient, the param and the result
     are. ``step``: the result is the new param (written into the param's own
     buffer with ``donate``) and ``shadows`` (if given) receive it rounded to
-    their low precision; otherwise the result is the update."""
+    their low precision; otherwise the result is the update. Made by
+    :meth:`plan`, which flattens each tree once (a step's Python overhead is
+    paid with caches cold from the pass before)."""
 
-    def __init__(
-        self,
+    def __init__(self, lib: Any, flat: Flat, g: list, p_leaves: list, p_spec: Any, p: list,
+                 step: bool, donate: bool, shadows: Any) -> None:  # fmt: skip
+        self.lib, self.flat, self.g, self.step, self.donate = lib, flat, g, step, donate
+        self.p_leaves, self.p_spec = p_leaves, p_spec
+        self.given = p
+        self.p = [x if x is None or x.is_contiguous() else x.contiguous() for x in p]
+        if step:
+            self.out = [
+                x if donate and x is y else torch.empty_like(x)  # type: ignore[arg-type]
+                for x, y in zip(self.p, self.given, strict=True)
+            ]
+        else:
+            self.out = [torch.empty(x.shape, dtype=torch.float32) for x in flat.locals]
+        self.shadows = list(shadows) if shadows is not None else None
+        lib.sx_threads(torch.get_num_threads())  # as many threads as torch's ops use
+
+    @classmethod
+    def plan(
+        cls,
         flat: Flat,
+        state: Sequence[torch.Tensor],
         updates: Any,
         params: Any,
         *,
@@ -110,24 +126,37 @@ class _Pass:
         donate: bool,
         decay: bool,
         shadows: Sequence[torch.Tensor] | None,
-    ) -> None:
-        n = len(flat)
-        self.flat, self.step = flat, step
-        self.g = [x.contiguous() for x in flat.align(updates, "updates")]
-        self.given = flat.align(params, "params") if step or decay else []
-        self.p: list[torch.Tensor | None] = (
-            [x.contiguous() for x in self.given] if step or decay else [None] * n
-        )
-        if step:
-            self.out = [
-                p if donate and p.data_ptr() == q.data_ptr() else torch.empty_like(p)
-                for p, q in zip(self.p, self.given, strict=True)  # type: ignore[arg-type]
-            ]
-        else:
-            self.out = [torch.empty(x.shape, dtype=torch.float32) for x in flat.locals]
-        self.donate = donate
-        self.shadows = list(shadows) if shadows is not None else None
-        _lib().sx_threads(torch.get_num_threads())  # as many threads as torch's ops use
+        grads: tuple[torch.dtype, ...],
+    ) -> _Pass | None:
+        """The pass, or None where the kernels do not cover the call — decided
+        alike on every rank, before any collective or write (the reference
+        then runs, and raises the clear errors)."""
+        if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                   for t in state):  # fmt: skip
+            return None
+        g_leaves, g_spec = optree.tree_flatten(updates, is_leaf=_is_leaf)
+        if g_spec != flat.spec or not _covered(g_leaves, grads):
+            return None
+        p_leaves: list = []
+        p_spec = None
+        if step or decay:
+            if params is None:
+                return None
+            p_leaves, p_spec = optree.tree_flatten(params, is_leaf=_is_leaf)
+            if p_spec != flat.spec or not _covered(p_leaves, (torch.float32,)):
+                return None
+            if step and not _laid_out_like(p_leaves, flat):
+                return None
+        if shadows is not None and not all(
+            t.dtype in _SHADOWS and t.is_contiguous() for t in shadows
+        ):
+            return None
+        lib = _lib()
+        if lib is None:
+            return None
+        g = [x.contiguous() for x in _align(g_leaves, flat, updates, "updates")]
+        p = _align(p_leaves, flat, params, "params") if p_leaves else [None] * len(flat)
+        return cls(lib, flat, g, p_leaves, p_spec, p, step, donate, shadows)
 
     def args(self, i: int) -> tuple[Any, ...]:
         g, p, out = self.g[i], self.p[i], self.out[i]
@@ -138,16 +167,37 @@ class _Pass:
             0 if shadow is None else _SHADOWS[shadow.dtype], out.numel(),
         )  # fmt: skip
 
+    def call(self, kernel: str, *args: Any) -> None:
+        code = getattr(self.lib, kernel)(*args)
+        if code != 0:  # the dtype tables and the kernel disagree: never return garbage
+            raise RuntimeError(f"the native {kernel} kernel refused its arguments ({code})")
+
     def result(self, params: Any) -> Any:
         """The updates (a tree like the state), or the new params (like ``params``)."""
         if not self.step:
             return self.flat.build(self.out)
-        if self.donate:  # a non-contiguous param took its result in a copy
+        if self.donate:
+            written = True
             for given, out in zip(self.given, self.out, strict=True):
-                if given.data_ptr() != out.data_ptr():
-                    given.copy_(out)
-            self.out = list(self.given)
-        return Flat(params, "params").build(self.out)
+                if given is not out:  # a non-contiguous param took its result in a copy
+                    given.copy_(out)  # type: ignore[union-attr]
+                    written = False
+            if written:
+                return params  # every buffer holds its new value: the same tree
+            self.out = list(self.given)  # type: ignore[arg-type]
+        rebuilt = [
+            x.with_local(t) if isinstance(x, Sharded) else t
+            for x, t in zip(self.p_leaves, self.out, strict=True)
+        ]
+        return optree.tree_unflatten(self.p_spec, rebuilt)
+
+
+def _align(leaves: Sequence[Any], flat: Flat, tree: Any, what: str) -> list[torch.Tensor]:
+    """The local tensors of ``leaves`` (of ``tree``) in ``flat``'s layouts."""
+    return [
+        local(align_leaf(x, ref, functools.partial(leaf_path, tree, i), what))
+        for i, (x, ref) in enumerate(zip(leaves, flat.leaves, strict=True))
+    ]
 
 
 Native = Callable[..., "tuple[Any, Any] | None"]
@@ -185,41 +235,6 @@ def _parts(state: Any, core: type, length: int) -> tuple[Any, Any] | None:
     return (cores[0], state[-1]) if len(cores) == 1 else None
 
 
-def _prepare(
-    updates: Any,
-    params: Any,
-    state_trees: Sequence[Any],
-    *,
-    step: bool,
-    decay: bool,
-    shadows: Sequence[torch.Tensor] | None,
-    flat: Flat,
-    grads: tuple[torch.dtype, ...] = tuple(_GRADS),
-) -> bool:
-    """Whether the kernels cover this call (decided alike on every rank)."""
-    if not all(_on_cpu(t, (torch.float32,)) for t in state_trees):
-        return False
-    if not _on_cpu(updates, grads):
-        return False
-    if (step or decay) and not (params is not None and _on_cpu(params, (torch.float32,))):
-        return False
-    if step and not _laid_out_like(params, flat):
-        return False
-    if shadows is not None and not all(s.dtype in _SHADOWS and s.is_contiguous() for s in shadows):
-        return False
-    return _lib() is not None
-
-
-def _state_contiguous(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(t.is_contiguous() for t in tensors)
-
-
-def _call(name: str, *args: Any) -> None:
-    code = getattr(_lib(), name)(*args)
-    if code != 0:  # the dtype tables and the kernel disagree: never return garbage
-        raise RuntimeError(f"the native {name} kernel refused its arguments ({code})")
-
-
 def fused_adamw(
     reference: GradientTransformation,
     lr: Any,
@@ -245,25 +260,24 @@ def fused_adamw(
         if parts is None or (wd and params is None):
             return None
         adam, sched = parts
-        flat = Flat(adam.nu, "state.nu")
-        if not _prepare(updates, params, [adam.mu, adam.nu], step=step, decay=bool(wd),
-                        shadows=shadows, flat=flat, grads=grads):  # fmt: skip
-            return None
         step_rate = _rate(lr, sched)
-        nu = flat.locals
-        mu = flat.same(adam.mu, "state.mu")
-        if step_rate is None or not _state_contiguous(mu + nu):
+        if step_rate is None:
             return None
         rate, new_sched = step_rate
-        run = _Pass(flat, updates, params, step=step, donate=donate, decay=bool(wd),
-                    shadows=shadows)  # fmt: skip
+        flat = Flat(adam.nu, "state.nu")
+        nu = flat.locals
+        mu = flat.same(adam.mu, "state.mu")
+        run = _Pass.plan(flat, mu + nu, updates, params, step=step, donate=donate,
+                         decay=bool(wd), shadows=shadows, grads=grads)  # fmt: skip
+        if run is None:
+            return None
         t = int(adam.count) + 1
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         for i, (m, v) in enumerate(zip(mu, nu, strict=True)):
             if m.numel():
-                _call(kernel, m.data_ptr(), v.data_ptr(), *run.args(i),
-                      1.0 - b1, b2, 1.0 - b2, bc2**0.5, eps, 1.0 / bc1, wd, -rate)  # fmt: skip
-        new_adam = ScaleByAdamState(adam.count + 1, flat.build(mu), flat.build(nu))
+                run.call(kernel, m.data_ptr(), v.data_ptr(), *run.args(i),
+                         1.0 - b1, b2, 1.0 - b2, bc2**0.5, eps, 1.0 / bc1, wd, -rate)  # fmt: skip
+        new_adam = ScaleByAdamState(adam.count + 1, adam.mu, adam.nu)  # updated in place
         new_state = [new_adam if s is adam else s for s in state[:-1]]
         return run.result(params), (*new_state, new_sched)
 
@@ -308,21 +322,22 @@ def _one_buffer(
         if parts is None or (wd and params is None):
             return None
         old, sched = parts
-        flat = Flat(getattr(old, field), f"state.{field}")
-        if not _prepare(updates, params, [getattr(old, field)], step=step, decay=bool(wd),
-                        shadows=shadows, flat=flat, grads=grads):  # fmt: skip
-            return None
         rate = _rate(lr, sched)
-        buf = flat.locals
-        if rate is None or not _state_contiguous(buf):
+        if rate is None:
             return None
-        run = _Pass(flat, updates, params, step=step, donate=donate, decay=bool(wd),
-                    shadows=shadows)  # fmt: skip
+        tree = getattr(old, field)
+        flat = Flat(tree, f"state.{field}")
+        buf = flat.locals
+        run = _Pass.plan(flat, buf, updates, params, step=step, donate=donate, decay=bool(wd),
+                         shadows=shadows, grads=grads)  # fmt: skip
+        if run is None:
+            return None
         new_buf = buf if step else [torch.empty_like(b) for b in buf]
         for i, (b, b2) in enumerate(zip(buf, new_buf, strict=True)):
             if b.numel():
-                _call(kernel, b.data_ptr(), b2.data_ptr(), *run.args(i), *scalars(-rate[0]))
-        new_state = [rebuild(old, flat.build(new_buf)) if s is old else s for s in state[:-1]]
+                run.call(kernel, b.data_ptr(), b2.data_ptr(), *run.args(i), *scalars(-rate[0]))
+        new_tree = tree if step else flat.build(new_buf)  # a step updates it in place
+        new_state = [rebuild(old, new_tree) if s is old else s for s in state[:-1]]
         return run.result(params), (*new_state, rate[1])
 
     return _with_step(reference, native)

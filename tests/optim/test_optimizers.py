@@ -342,8 +342,11 @@ def _run_sharded(names: list[str], arrangement: str, via: str = "update") -> dic
     from shardax.optim import _fused
 
     fused_steps = []  # kernel calls that wrote params (apply = 1): the one-pass step ran
-    real_call = _fused._call
-    _fused._call = lambda kernel, *a: (fused_steps.append(a[6]), real_call(kernel, *a))[1]
+    real_call = _fused._Pass.call
+    _fused._Pass.call = lambda self, kernel, *a: (  # type: ignore[method-assign]
+        fused_steps.append(a[6]),
+        real_call(self, kernel, *a),
+    )[1]
     mesh = sx.Mesh({"dp": 2, "tp": 2})
     out: dict = {"fused steps": fused_steps}
     for name in names:
