@@ -79,15 +79,51 @@ def _laid_out_like(leaves: Sequence[Any], ref: Flat) -> bool:
     return True
 
 
+class _Count:
+    """A step count (a 0-d int64 CPU tensor of a donated state) read and
+    advanced in place through its buffer: no tensor op per step, whose
+    dispatch costs more than the rest of a step's Python with cold caches."""
+
+    __slots__ = ("cell", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.cell = ctypes.c_int64.from_address(tensor.data_ptr())
+
+    @staticmethod
+    def usable(x: Any) -> bool:
+        return (
+            isinstance(x, torch.Tensor)
+            and x.dtype == torch.int64
+            and x.device.type == "cpu"
+            and x.numel() == 1
+            and not x.requires_grad
+        )
+
+    @property
+    def value(self) -> int:
+        return int(self.cell.value)
+
+    def advance(self) -> torch.Tensor:
+        self.cell.value += 1
+        return self.tensor
+
+
 def _rate(lr: Any, sched: Any) -> tuple[float, Any] | None:
     """This step's learning rate and the schedule state after it, or None
-    when the reference must run (a negative rate: it raises the clear error)."""
+    when the reference must run (a negative rate: it raises the clear error).
+    Call it only once the kernels run: a schedule's count advances in place."""
     if callable(lr):
-        if not isinstance(sched, ScaleByScheduleState):
+        if not (isinstance(sched, ScaleByScheduleState) and _Count.usable(sched.count)):
             return None
-        rate = float(lr(int(sched.count)))
-        return None if rate < 0 else (rate, ScaleByScheduleState(sched.count + 1))
-    return float(lr), sched
+        count = _Count(sched.count)
+        rate = float(lr(count.value))
+        return None if rate < 0 else (rate, count)
+    return float(lr), None
+
+
+def _advanced(sched: Any, count: _Count | None) -> Any:
+    return sched if count is None else ScaleByScheduleState(count.advance())
 
 
 class _Pass:
@@ -261,9 +297,9 @@ def fused_adamw(
             return None
         adam, sched = parts
         step_rate = _rate(lr, sched)
-        if step_rate is None:
+        if step_rate is None or not _Count.usable(adam.count):
             return None
-        rate, new_sched = step_rate
+        rate, sched_count = step_rate
         flat = Flat(adam.nu, "state.nu")
         nu = flat.locals
         mu = flat.same(adam.mu, "state.mu")
@@ -271,15 +307,17 @@ def fused_adamw(
                          decay=bool(wd), shadows=shadows, grads=grads)  # fmt: skip
         if run is None:
             return None
-        t = int(adam.count) + 1
+        count = _Count(adam.count)
+        t = count.value + 1
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         for i, (m, v) in enumerate(zip(mu, nu, strict=True)):
             if m.numel():
                 run.call(kernel, m.data_ptr(), v.data_ptr(), *run.args(i),
                          1.0 - b1, b2, 1.0 - b2, bc2**0.5, eps, 1.0 / bc1, wd, -rate)  # fmt: skip
-        new_adam = ScaleByAdamState(adam.count + 1, adam.mu, adam.nu)  # updated in place
+        # the moments and the counts are updated in place (the state is donated)
+        new_adam = ScaleByAdamState(count.advance(), adam.mu, adam.nu)
         new_state = [new_adam if s is adam else s for s in state[:-1]]
-        return run.result(params), (*new_state, new_sched)
+        return run.result(params), (*new_state, _advanced(sched, sched_count))
 
     return _with_step(reference, native)
 
@@ -338,7 +376,7 @@ def _one_buffer(
                 run.call(kernel, b.data_ptr(), b2.data_ptr(), *run.args(i), *scalars(-rate[0]))
         new_tree = tree if step else flat.build(new_buf)  # a step updates it in place
         new_state = [rebuild(old, new_tree) if s is old else s for s in state[:-1]]
-        return run.result(params), (*new_state, rate[1])
+        return run.result(params), (*new_state, _advanced(sched, rate[1]))
 
     return _with_step(reference, native)
 
