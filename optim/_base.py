@@ -137,8 +137,7 @@ def chain(
         # The last transformation's fused step, after the others' updates
         # (clipping, then AdamW in one pass); where that step does not cover
         # the call, its update and apply_updates (and the shadows filled).
-        *head, last = transforms
-        prefix = chain(*head, _fresh_after_first=_fresh_after_first)
+        last = transforms[-1]
         if not isinstance(state, tuple) or len(state) != len(transforms):
             update(updates, state, params)  # raises the clear error
         updates, head_state = prefix.update(updates, state[:-1], params)
@@ -158,7 +157,10 @@ def chain(
         return done[0], (*head_state, done[1])
 
     fused = transforms and getattr(transforms[-1], "step", None) is not None
-    return GradientTransformation(init, update, step if fused else None)
+    if not fused:
+        return GradientTransformation(init, update)
+    prefix = chain(*transforms[:-1], _fresh_after_first=_fresh_after_first)
+    return GradientTransformation(init, update, step)
 
 
 # -- leaves -------------------------------------------------------------------
@@ -270,6 +272,11 @@ class Flat:
         leaves, spec = flatten(tree, what)
         if spec != self.spec:
             raise structure_error(tree, self.tree, what, self.what)
+        return self.align_flat(leaves, tree, what)
+
+    def align_flat(self, leaves: Sequence[Leaf], tree: Any, what: str) -> list[Leaf]:
+        """:meth:`align_leaves` for ``leaves`` already flattened from ``tree``
+        (with this structure)."""
         return [
             align_leaf(x, ref, functools.partial(leaf_path, tree, i), what)
             for i, (x, ref) in enumerate(zip(leaves, self.leaves, strict=True))

@@ -12,7 +12,6 @@ take different paths.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 
 from ..kernels import OPTIM
 from ..shard._sharded import Sharded
-from ._base import Flat, GradientTransformation, align_leaf, leaf_path, local, transformation
+from ._base import Flat, GradientTransformation, local, transformation
 from ._transforms import (
     ScaleByAdamState,
     ScaleByLionState,
@@ -66,7 +65,7 @@ def _covered(leaves: Sequence[Any], dtypes: Any) -> bool:
     return bool(tensors) and all(x.dtype in dtypes and x.device.type == "cpu" for x in tensors)
 
 
-def _laid_out_like(leaves: Sequence[Any], ref: Flat) -> bool:
+def laid_out_like(leaves: Sequence[Any], ref: Flat) -> bool:
     """``leaves`` are laid out as ``ref``'s (equal layouts, or plain tensors
     of equal shape): a step can write them in the same pass as the state
     (ZeRO-3, no ZeRO; not ZeRO-1/2's replicated params)."""
@@ -181,7 +180,7 @@ class _Pass:
             p_leaves, p_spec = optree.tree_flatten(params, is_leaf=_is_leaf)
             if p_spec != flat.spec or not _covered(p_leaves, (torch.float32,)):
                 return None
-            if step and not _laid_out_like(p_leaves, flat):
+            if step and not laid_out_like(p_leaves, flat):
                 return None
         if shadows is not None and not all(
             t.dtype in _SHADOWS and t.is_contiguous() for t in shadows
@@ -190,8 +189,10 @@ class _Pass:
         lib = _lib()
         if lib is None:
             return None
-        g = [x.contiguous() for x in _align(g_leaves, flat, updates, "updates")]
-        p = _align(p_leaves, flat, params, "params") if p_leaves else [None] * len(flat)
+        g = [local(x).contiguous() for x in flat.align_flat(g_leaves, updates, "updates")]
+        p: list = [None] * len(flat)
+        if p_leaves:
+            p = [local(x) for x in flat.align_flat(p_leaves, params, "params")]
         return cls(lib, flat, g, p_leaves, p_spec, p, step, donate, shadows)
 
     def args(self, i: int) -> tuple[Any, ...]:
@@ -226,14 +227,6 @@ class _Pass:
             for x, t in zip(self.p_leaves, self.out, strict=True)
         ]
         return optree.tree_unflatten(self.p_spec, rebuilt)
-
-
-def _align(leaves: Sequence[Any], flat: Flat, tree: Any, what: str) -> list[torch.Tensor]:
-    """The local tensors of ``leaves`` (of ``tree``) in ``flat``'s layouts."""
-    return [
-        local(align_leaf(x, ref, functools.partial(leaf_path, tree, i), what))
-        for i, (x, ref) in enumerate(zip(leaves, flat.leaves, strict=True))
-    ]
 
 
 Native = Callable[..., "tuple[Any, Any] | None"]

@@ -17,10 +17,12 @@ from ._base import (
     apply_updates,
     expect_state,
     flatten,
+    local,
     needs_params,
     role_layout,
     transformation,
 )
+from ._fused import laid_out_like
 from ._norms import all_finite
 
 __all__ = ["DynamicLossScale", "MasterWeightsState", "with_master_weights"]
@@ -105,15 +107,11 @@ def with_master_weights(
             return None
         flat = Flat(state.master, "state.master")
         leaves, spec = optree.tree_flatten(params, is_leaf=lambda x: isinstance(x, Sharded))
-        if spec != flat.spec or not all(
-            (x.layout == m.layout if isinstance(m, Sharded) else not isinstance(x, Sharded))
-            and x.shape == m.shape
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and x.device.type == "cpu"
-            for x, m in zip(leaves, flat.leaves, strict=True)
-        ):
-            return None  # laid out unlike the master copy (ZeRO-1/2), or not low precision
-        given = [x.local if isinstance(x, Sharded) else x for x in leaves]
+        low = all(x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
+                  for x in leaves)  # fmt: skip
+        if spec != flat.spec or not low or not laid_out_like(leaves, flat):
+            return None  # not low precision, or laid out unlike the master copy (ZeRO-1/2)
+        given = [local(x) for x in leaves]
         targets = [
             x if donate and x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
             for x in given
