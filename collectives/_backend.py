@@ -29,6 +29,14 @@ class Pending:
         self.works = list(works)
         self.after = after
 
+    def wait(self) -> None:
+        """Finish it: every work, then the fix-up (errors raised as they come;
+        :class:`Handle` translates them)."""
+        for work in self.works:
+            work.wait()
+        if self.after is not None:
+            self.after()
+
 
 class Backend(Protocol):
     """What a collective backend implements. Buffers are contiguous; member

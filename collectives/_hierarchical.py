@@ -68,30 +68,21 @@ def hierarchy(
     return Hierarchy(local, leaders, local_ranks[0], len(order))
 
 
-def _done(pending: Pending) -> None:
-    for work in pending.works:
-        work.wait()
-    if pending.after is not None:
-        pending.after()
-
-
 def all_reduce(
     backend: Any, hier: Hierarchy, out: torch.Tensor, x: torch.Tensor, op: str, group: Group
 ) -> Pending:
     """``out`` ← reduction of every member's ``x`` over ``group``, by node."""
     if hier.local is not None:
-        _done(backend.all_reduce_out(out, x, op, hier.local))
+        backend.all_reduce_out(out, x, op, hier.local).wait()
     elif out is not x:
         out.copy_(x)
     if group.rank == hier.leader:
         others = [r for r in hier.leaders if r != group.rank]
         index = {r: group.members.index(r) for r in others}
         got = {r: torch.empty_like(out) for r in others}
-        _done(
-            backend.fallback.send_recv(
-                [(index[r], out) for r in others], [(index[r], got[r]) for r in others], group
-            )
-        )
+        backend.fallback.send_recv(
+            [(index[r], out) for r in others], [(index[r], got[r]) for r in others], group
+        ).wait()
         parts = [out if r == group.rank else got[r] for r in hier.leaders]
         total = parts[0]  # the accumulator: out itself, or a buffer received
         for part in parts[1:]:
@@ -99,5 +90,5 @@ def all_reduce(
         if total is not out:
             out.copy_(total)
     if hier.local is not None:
-        _done(backend.broadcast(out, hier.local.members.index(hier.leader), hier.local))
+        backend.broadcast(out, hier.local.members.index(hier.leader), hier.local).wait()
     return Pending()
