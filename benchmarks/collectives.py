@@ -15,11 +15,16 @@ bandwidth of a buffer that size (``memcpy_GBps``: the most any copy through
 memory can do; ``shardax_vs_memcpy`` is the shared-memory busbw's fraction
 of it). With ``SHARDAX_BACKEND=torch`` the shardax column is gloo too.
 
-All-reduce runs twice: in place on a reused buffer (``all_reduce``:
-torch's ``all_reduce`` against ``psum(x, out=x)``) and into a new tensor
-each call (``all_reduce_new``: torch's ``all_reduce`` of a fresh copy
-against the functional ``psum``). The other ops write into a preallocated
-output on the torch side and a new one on shardax's.
+All-reduce, all-gather and reduce-scatter run twice. Into reused buffers
+(what DDP's buckets and ZeRO's flat parameter and gradient shards do):
+``all_reduce`` in place (torch's ``all_reduce`` against ``psum(x, out=x)``),
+``all_gather`` and ``reduce_scatter`` into a preallocated output on both
+sides (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` against
+``all_gather(..., out=)`` / ``psum_scatter(..., out=)``). And into a new
+tensor each call (``*_new``: the functional shardax call against torch's
+into a fresh tensor — for all-reduce, torch's ``all_reduce`` of a fresh
+copy). All-to-all writes into a preallocated output on the torch side and
+a new one on shardax's.
 
 All-reduce has a third column where DeepSpeed is importable (``pip install
 'shardax[bench]'``): DeepSpeed's shared-memory all-reduce on CPU (the op
@@ -82,7 +87,10 @@ def cases(
     chunk = numel // n
     full = torch.randn(chunk * n)
     piece = torch.randn(chunk)
-    out_full, out_piece = torch.empty(chunk * n), torch.empty(chunk)
+    # Reused outputs, one per implementation (warm after the first call).
+    gathered = {name: torch.empty(chunk * n) for name in ("torch", "shardax")}
+    scattered = {name: torch.empty(chunk) for name in ("torch", "shardax")}
+    sizes = (chunk,) * n
     grid = full.view(n, chunk)
     a2a_out = torch.empty(chunk * n)
     # In place on a reused buffer (what DDP's buckets do: torch's and
@@ -109,14 +117,32 @@ def cases(
         "all_gather": (
             (n - 1) / n,
             {
-                "torch": lambda: _all_gather_flat(out_full, piece),
-                "shardax": lambda: C.all_gather(piece, "x", 0, sizes=(chunk,) * n, mesh=mesh),
+                "torch": lambda: _all_gather_flat(gathered["torch"], piece),
+                "shardax": lambda: C.all_gather(
+                    piece, "x", 0, sizes=sizes, mesh=mesh, out=gathered["shardax"]
+                ),
+            },
+        ),
+        "all_gather_new": (
+            (n - 1) / n,
+            {
+                "torch": lambda: _all_gather_flat(torch.empty(chunk * n), piece),
+                "shardax": lambda: C.all_gather(piece, "x", 0, sizes=sizes, mesh=mesh),
             },
         ),
         "reduce_scatter": (
             (n - 1) / n,
             {
-                "torch": lambda: _reduce_scatter_flat(out_piece, full),
+                "torch": lambda: _reduce_scatter_flat(scattered["torch"], full),
+                "shardax": lambda: C.psum_scatter(
+                    full, "x", 0, mesh=mesh, out=scattered["shardax"]
+                ),
+            },
+        ),
+        "reduce_scatter_new": (
+            (n - 1) / n,
+            {
+                "torch": lambda: _reduce_scatter_flat(torch.empty(chunk), full),
                 "shardax": lambda: C.psum_scatter(full, "x", 0, mesh=mesh),
             },
         ),
@@ -247,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"busbw in GB/s; torch: {info.backend}, shardax: {C.get_backend().name}")
         print(f"deepspeed: {'shm all-reduce' if ds_all_reduce else f'skipped ({ds_skipped})'}")
         print(
-            f"{'op':<15}{'MiB':>8}{'torch':>8}{'shardax':>9}{'ratio':>7}{'memcpy':>8}{'of memcpy':>11}"
+            f"{'op':<19}{'MiB':>8}{'torch':>8}{'shardax':>9}{'ratio':>7}{'memcpy':>8}{'of memcpy':>11}"
             f"{'deepspeed':>11}{'vs ds':>7}"
         )
         for r in rows:
@@ -257,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 else f"{'-':>11}{'-':>7}"
             )
             print(
-                f"{r['op']:<15}{r['bytes'] / 2**20:>8.2f}{r['torch_busbw_GBps']:>8.2f}"
+                f"{r['op']:<19}{r['bytes'] / 2**20:>8.2f}{r['torch_busbw_GBps']:>8.2f}"
                 f"{r['shardax_busbw_GBps']:>9.2f}{r['ratio']:>7.2f}{r['memcpy_GBps']:>8.2f}"
                 f"{r['shardax_vs_memcpy']:>11.0%}{ds}"
             )

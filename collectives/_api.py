@@ -28,6 +28,7 @@ from ._ops import (
     Op,
     Permute,
     ReduceScatter,
+    _check_out,
     chunk_sizes,
     transpose,
 )
@@ -199,12 +200,33 @@ def pmean(
     return _run_out(x, AllReduce(_group(axis, mesh, "pmean"), "mean", out), async_op)
 
 
-def _run_out(x: torch.Tensor, op: AllReduce, async_op: bool) -> Any:
-    """``_run``, or — with ``out`` — the op outside autograd, returning ``out``."""
+def _run_out(
+    x: torch.Tensor,
+    op: AllReduce | AllGather | ReduceScatter,
+    async_op: bool,
+    result: torch.Tensor | None = None,
+) -> Any:
+    """``_run``, or — with ``op.out`` — the op outside autograd, returning
+    ``op.out`` (``result`` instead when given: ``op.out`` is a view of it)."""
     if op.out is None:
         return _run(x, op, async_op)
     handle = op.start(x)
+    if result is not None:
+        handle = _Returning(handle, result)
     return handle if async_op else handle.wait()
+
+
+class _Returning:
+    """A handle whose ``wait()`` finishes ``handle`` and returns ``value``."""
+
+    __slots__ = ("_handle", "_value")
+
+    def __init__(self, handle: Handle, value: torch.Tensor) -> None:
+        self._handle, self._value = handle, value
+
+    def wait(self) -> torch.Tensor:
+        self._handle.wait()
+        return self._value
 
 
 class _Extremum(torch.autograd.Function):
@@ -257,6 +279,7 @@ def all_gather(
     sizes: Sequence[int] | None = None,
     mesh: Any = None,
     async_op: bool = False,
+    out: torch.Tensor | None = None,
 ) -> Any:
     """Concatenate the pieces of the ranks along ``axis`` on ``dim`` (in
     member order); with ``tiled=False``, stack them on a new dim ``dim``.
@@ -266,12 +289,22 @@ def all_gather(
     first — one tiny extra, blocking collective, which also checks that the
     ranks agree on dtype and the other dims; pass ``sizes`` for a fully
     asynchronous ``async_op=True`` (they are then trusted). Backward:
-    psum_scatter.
+    psum_scatter (ZeRO-3 gathers parameters so, and scatters their gradients
+    back: Rajbhandari et al., 2020).
+
+    ``out``: a contiguous tensor of the result's shape and ``x``'s dtype,
+    sharing no memory with ``x``, to gather into instead of a new one (a
+    reused parameter buffer). With even pieces on dim 0 (or after dims of
+    size 1) the backend writes straight into it; otherwise the pieces go
+    through a buffer first. Not differentiable.
 
     >>> import torch, shardax as sx
     >>> with sx.Mesh({"dp": 1}):
     ...     sx.collectives.all_gather(torch.arange(3), "dp"), sx.collectives.all_gather(torch.arange(3), "dp", tiled=False)
     (tensor([0, 1, 2]), tensor([[0, 1, 2]]))
+    >>> full = torch.empty(3, dtype=torch.int64)
+    >>> sx.collectives.all_gather(torch.arange(3), "dp", mesh=sx.Mesh({"dp": 1}), out=full) is full
+    True
     """
     group = _group(axis, mesh, "all_gather")
     if not tiled:
@@ -290,7 +323,7 @@ def all_gather(
         raise CollectiveError(
             f"all_gather over {group.label}: {len(sizes)} sizes for {group.size} members"
         )
-    return _run(x, AllGather(group, dim, tuple(sizes)), async_op)
+    return _run_out(x, AllGather(group, dim, tuple(sizes), out=out), async_op)
 
 
 def psum_scatter(
@@ -301,15 +334,25 @@ def psum_scatter(
     tiled: bool = True,
     mesh: Any = None,
     async_op: bool = False,
+    out: torch.Tensor | None = None,
 ) -> Any:
     """Sum over the ranks along ``axis`` and keep this rank's piece of ``dim``
     (torch.chunk pieces: later ranks may get less, or nothing). With
     ``tiled=False`` ``dim`` must have one entry per rank and is removed.
-    Backward: all_gather.
+    Backward: all_gather. ZeRO-2/3 reduce gradients so (Rajbhandari et al., 2020).
+
+    ``out``: a contiguous tensor of this rank's piece's shape and ``x``'s
+    dtype, sharing no memory with ``x``, to write the piece into instead of
+    a new one (a reused gradient shard). When the piece is a longest one on
+    dim 0 (or after dims of size 1) the backend writes straight into it;
+    otherwise through a buffer first. Not differentiable.
 
     >>> import torch, shardax as sx
     >>> sx.collectives.psum_scatter(torch.arange(4.0), "dp", mesh=sx.Mesh({"dp": 1}))
     tensor([0., 1., 2., 3.])
+    >>> piece = torch.empty(4)
+    >>> sx.collectives.psum_scatter(torch.ones(4), "dp", mesh=sx.Mesh({"dp": 1}), out=piece)
+    tensor([1., 1., 1., 1.])
     """
     group = _group(axis, mesh, "psum_scatter")
     dim = _dim(x, dim, "psum_scatter")
@@ -319,9 +362,16 @@ def psum_scatter(
                 f"psum_scatter(tiled=False) over {group.label}: dim {dim} of shape {tuple(x.shape)} "
                 f"must have one entry per rank ({group.size})"
             )
-        out = _run(x, ReduceScatter(group, dim, (1,) * group.size), async_op)
-        return _Squeezed(out, dim) if async_op else out.squeeze(dim)
-    return _run(x, ReduceScatter(group, dim, chunk_sizes(x.size(dim), group.size)), async_op)
+        sizes = (1,) * group.size
+        if out is not None:  # checked as the result (dim removed), run as the piece (dim kept)
+            shape = x.shape[:dim] + x.shape[dim + 1 :]
+            _check_out("psum_scatter", group, x, out, shape)
+            op = ReduceScatter(group, dim, sizes, out=out.unsqueeze(dim))
+            return _run_out(x, op, async_op, result=out)
+        result = _run(x, ReduceScatter(group, dim, sizes), async_op)
+        return _Squeezed(result, dim) if async_op else result.squeeze(dim)
+    op = ReduceScatter(group, dim, chunk_sizes(x.size(dim), group.size), out=out)
+    return _run_out(x, op, async_op)
 
 
 class _Squeezed:

@@ -137,52 +137,99 @@ class AllReduce(Op):
         return start(self.group, name, lambda b: b.all_reduce_out(buf, src, op, self.group), finish)
 
 
-def _check_out(what: str, group: Group, x: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` can take ``what``'s result of ``x`` in place of a new tensor."""
+def _check_out(
+    what: str,
+    group: Group,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    shape: Sequence[int] | None = None,
+) -> None:
+    """``out`` can take ``what``'s result of ``x`` in place of a new tensor.
+
+    ``shape``: the result's (``x``'s when None: then ``out=x`` is in place;
+    otherwise ``out`` may share no memory with ``x``, which the op still
+    reads while it writes).
+    """
+    want = tuple(x.shape) if shape is None else tuple(shape)
     problem = None
-    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+    if tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device:
         problem = (
-            f"out is {out.dtype} {tuple(out.shape)} on {out.device}, x is {x.dtype} "
-            f"{tuple(x.shape)} on {x.device}; they must match"
+            f"out is {out.dtype} {tuple(out.shape)} on {out.device}, the result is {x.dtype} "
+            f"{want} on {x.device}; they must match (x.new_empty({want}) makes one)"
         )
     elif not out.is_contiguous():
         problem = "out is not contiguous"
     elif torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
         problem = "out= is not differentiable: x (or out) requires grad; drop out= under autograd"
-    elif out is not x and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        problem = "out shares memory with x without being x; pass out=x for in place"
+    elif _shares_memory(out, x) and (shape is not None or out is not x):
+        problem = (
+            "out shares memory with x without being x; pass out=x for in place"
+            if shape is None
+            else f"out shares memory with x, which {what} reads while it writes out; pass a "
+            "separate buffer"
+        )
     if problem is not None:
         raise CollectiveError(f"{what}(out=) over {group.label}: {problem}")
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (empty tensors never are)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _flat_prefix(x: torch.Tensor, dim: int) -> bool:
+    """Whether the dims before ``dim`` are all 1: a contiguous tensor is then
+    laid out as its ``movedim(dim, 0)`` is, so a backend's dim-0 buffer can be
+    a view of it."""
+    return math.prod(x.shape[:dim]) == 1
+
+
+def _out_shape(x: torch.Tensor, dim: int, length: int) -> tuple[int, ...]:
+    shape = list(x.shape)
+    shape[dim] = length
+    return tuple(shape)
 
 
 @attrs.frozen
 class AllGather(Op):
     """Concatenate every member's piece along ``dim``; ``sizes[i]`` is member
-    ``i``'s length along ``dim``."""
+    ``i``'s length along ``dim``. With ``out``, into ``out``: straight from
+    the backend when the pieces are even and the dims before ``dim`` are 1
+    (dim 0 of a flat buffer), else through a buffer of the backend's layout."""
 
     dim: int
     sizes: tuple[int, ...]
+    out: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
     name: ClassVar[str] = "all_gather"
 
     def start(self, x: torch.Tensor) -> Handle:
-        g, n = self.group, self.group.size
+        g, n, dest = self.group, self.group.size, self.out
         _check_len("all_gather", g, x, self.dim, self.sizes[g.index])
+        if dest is not None:
+            _check_out("all_gather", g, x, dest, _out_shape(x, self.dim, sum(self.sizes)))
         if n == 1:
-            return Handle.ready(x)
+            return Handle.ready(x if dest is None else dest.copy_(x))
         m = max(self.sizes)
         xt = x.detach().movedim(self.dim, 0)
         if xt.size(0) < m:
             xt = torch.cat([xt, xt.new_zeros((m - xt.size(0), *xt.shape[1:]))])
         buf = xt.contiguous()
-        out = buf.new_empty((n * m, *buf.shape[1:]))
         even = all(s == m for s in self.sizes)
+        direct = dest is not None and even and _flat_prefix(x, self.dim)
+        shape = (n * m, *buf.shape[1:])
+        out = dest.view(shape) if direct else buf.new_empty(shape)
 
         def finish() -> torch.Tensor:
-            if even:
-                full = out
-            else:
-                rows = out.view(n, m, *buf.shape[1:])
-                full = torch.cat([rows[i, : self.sizes[i]] for i in range(n)])
+            if direct:
+                return dest
+            rows = out.view(n, m, *buf.shape[1:])
+            if dest is not None:
+                for i, (o, s) in enumerate(zip(_offsets(self.sizes), self.sizes, strict=True)):
+                    dest.narrow(self.dim, o, s).copy_(rows[i, :s].movedim(0, self.dim))
+                return dest
+            full = out if even else torch.cat([rows[i, : self.sizes[i]] for i in range(n)])
             return full.movedim(0, self.dim)
 
         return start(g, "all_gather", lambda b: b.all_gather(out, buf, g), finish)
@@ -190,17 +237,24 @@ class AllGather(Op):
 
 @attrs.frozen
 class ReduceScatter(Op):
-    """Sum over members, then keep piece ``index`` of ``dim`` (pieces ``sizes``)."""
+    """Sum over members, then keep piece ``index`` of ``dim`` (pieces
+    ``sizes``). With ``out``, into ``out``: straight from the backend when
+    this member's piece is a longest one and the dims before ``dim`` are 1,
+    else through a buffer of the backend's layout."""
 
     dim: int
     sizes: tuple[int, ...]
+    out: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
     name: ClassVar[str] = "psum_scatter"
 
     def start(self, x: torch.Tensor) -> Handle:
-        g, n = self.group, self.group.size
+        g, n, dest = self.group, self.group.size, self.out
         _check_len("psum_scatter", g, x, self.dim, sum(self.sizes))
+        mine = self.sizes[g.index]
+        if dest is not None:
+            _check_out("psum_scatter", g, x, dest, _out_shape(x, self.dim, mine))
         if n == 1:
-            return Handle.ready(x)
+            return Handle.ready(x if dest is None else dest.copy_(x))
         m = max(self.sizes)
         xt = x.detach().movedim(self.dim, 0)
         if all(s == m for s in self.sizes):
@@ -209,11 +263,15 @@ class ReduceScatter(Op):
             buf = xt.new_zeros((n, m, *xt.shape[1:]))
             for i, (o, s) in enumerate(zip(_offsets(self.sizes), self.sizes, strict=True)):
                 buf[i, :s] = xt[o : o + s]
-        out = buf.new_empty(buf.shape[1:])
-        mine = self.sizes[g.index]
+        # Every member's backend output has m rows; this one's piece may have fewer.
+        direct = dest is not None and mine == m and _flat_prefix(x, self.dim)
+        out = dest.view(buf.shape[1:]) if direct else buf.new_empty(buf.shape[1:])
 
         def finish() -> torch.Tensor:
-            return out[:mine].movedim(0, self.dim)
+            if direct:
+                return dest
+            piece = out[:mine].movedim(0, self.dim)
+            return piece if dest is None else dest.copy_(piece)
 
         return start(g, "psum_scatter", lambda b: b.reduce_scatter(out, buf, g), finish)
 

@@ -53,7 +53,15 @@ def test_collectives_benchmark_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["benchmark"] == "collectives"
     ops = {r["op"] for r in result["results"]}
-    assert ops == {"all_reduce", "all_reduce_new", "all_gather", "reduce_scatter", "all_to_all"}
+    assert ops == {
+        "all_reduce",
+        "all_reduce_new",
+        "all_gather",
+        "all_gather_new",
+        "reduce_scatter",
+        "reduce_scatter_new",
+        "all_to_all",
+    }
     for r in result["results"]:
         assert (
             r["torch_s"] > 0 and r["shardax_s"] > 0 and r["ratio"] == r["torch_s"] / r["shardax_s"]

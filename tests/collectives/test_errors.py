@@ -4,6 +4,9 @@ some rank never reaches — a timeout that names the ranks that did not arrive
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -55,6 +58,64 @@ def test_psum_out_must_fit_and_not_need_gradients():
     y = torch.ones(8)
     with pytest.raises(CollectiveError, match="pass out=x for in place"):
         C.psum(y[:4], "dp", mesh=mesh, out=y[4:])
+
+
+@pytest.mark.parametrize("op", ["all_gather", "psum_scatter"])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_gather_and_scatter_out_must_fit_and_not_need_gradients(op, tiled):
+    """Each misfit ``out`` is named with what the result needs; ``out`` may
+    never share memory with ``x``, not even at a size-1 axis."""
+    mesh = sx.Mesh({"dp": 1})
+    x = torch.ones(1, 4)
+    want = {True: (1, 4), False: (1, 1, 4) if op == "all_gather" else (4,)}[tiled]
+
+    def call(out, arg=x):
+        return getattr(C, op)(arg, "dp", mesh=mesh, tiled=tiled, out=out)
+
+    result = rf"the result is torch.float32 {re.escape(str(want))} on cpu; they must match"
+    with pytest.raises(
+        CollectiveError, match=rf"{op}\(out=\).*out is torch.float32 \(3,\).*{result}"
+    ):
+        call(torch.empty(3))
+    with pytest.raises(CollectiveError, match=r"out is torch.float64 .*x.new_empty"):
+        call(torch.empty(want, dtype=torch.float64))
+    with pytest.raises(CollectiveError, match=rf"{op}\(out=\).*not contiguous"):
+        call(torch.empty(*want, 2)[..., 0])
+    with pytest.raises(CollectiveError, match="not differentiable"):
+        call(torch.empty(want), torch.ones(1, 4, requires_grad=True))
+    with pytest.raises(CollectiveError, match="not differentiable"):
+        call(torch.empty(want, requires_grad=True))
+    shared = torch.ones(16)
+    with pytest.raises(CollectiveError, match=rf"shares memory with x, which {op} reads.*separate"):
+        call(shared[8 : 8 + math.prod(want)].view(want), shared[:4].view(1, 4))
+    if want == (1, 4):
+        with pytest.raises(CollectiveError, match="shares memory with x"):
+            call(x)  # even where the shapes allow it
+
+
+def _misfit_outs() -> list[str]:
+    mesh = sx.Mesh({"x": -1})
+    texts = []
+    for call in (
+        lambda: C.all_gather(torch.ones(3), "x", sizes=(3, 3), mesh=mesh, out=torch.empty(3)),
+        lambda: C.psum_scatter(torch.ones(3, 2), "x", mesh=mesh, out=torch.empty(3, 2)),
+    ):
+        try:
+            call()
+            texts.append("no error")
+        except CollectiveError as err:
+            texts.append(str(err))
+    return texts
+
+
+@pytest.mark.world_size(2)
+def test_a_misfit_out_names_this_ranks_result_shape():
+    """all_gather's result is every piece; psum_scatter's this rank's
+    (torch.chunk pieces of 3: 2, then 1). Raised before anything is sent."""
+    for rank, (gather, scatter) in enumerate(run_ranks(_misfit_outs, world_size=2)):
+        assert "all_gather(out=) over axis 'x'" in gather and "the result is" in gather
+        assert "torch.float32 (6,) on cpu; they must match" in gather, gather
+        assert f"the result is torch.float32 {((2, 2), (1, 2))[rank]} on cpu" in scatter, scatter
 
 
 def test_unknown_backend_is_named(monkeypatch):
