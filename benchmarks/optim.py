@@ -8,10 +8,12 @@ where importable, DeepSpeed's ``DeepSpeedCPUAdam``, side by side on the same
 GB/s of the state they stream (a step reads param, grad, exp_avg, exp_avg_sq
 and writes three of them: 28 bytes per element, counted the same for every
 implementation — the bf16-master step reads a bf16 gradient and writes a
-bf16 param besides, also 28).
+bf16 param besides, also 28). The ``*_gpt_leaves`` rows step the same
+number of elements cut into a GPT's 144 leaves of very uneven sizes (what a
+model hands an optimizer): shardax steps them in one native call.
 
-    python benchmarks/optim.py --json optim.json
-    python benchmarks/optim.py --smoke          # seconds
+    python benchmarks/optim.py --json optim.json     # 3 processes x 15 steps each
+    python benchmarks/optim.py --smoke               # seconds
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -31,9 +36,23 @@ import shardax as sx
 BYTES_PER_ELEMENT = 28  # read p, g, m, v; write p, m, v
 
 
-def _shardax(n: int, native: bool, fused_step: bool, dtype: torch.dtype = torch.float32):
-    params = {"w": torch.randn(n).to(dtype)}
-    grads = {"w": torch.randn(n).to(dtype)}
+def gpt_sizes(n: int, layers: int = 12) -> list[int]:
+    """About ``n`` elements cut as a GPT's blocks cut them (width d): per
+    layer two layer norms, the attention's qkv and projection, the MLP's two
+    matrices, each with its bias — 12 leaves of very uneven sizes."""
+    d = max(1, int((n / (12 * layers)) ** 0.5))
+    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+    return block * layers
+
+
+def _sizes(n: int, leaves: str) -> list[int]:
+    return [n] if leaves == "one" else gpt_sizes(n)
+
+
+def _shardax(n: int, native: bool, fused_step: bool, dtype: torch.dtype = torch.float32,
+             leaves: str = "one"):  # fmt: skip
+    params = {f"p{i}": torch.randn(k).to(dtype) for i, k in enumerate(_sizes(n, leaves))}
+    grads = {k: torch.randn(v.shape).to(dtype) for k, v in params.items()}
     opt = sx.optim.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
     if dtype != torch.float32:
         opt = sx.optim.with_master_weights(opt)
@@ -41,39 +60,36 @@ def _shardax(n: int, native: bool, fused_step: bool, dtype: torch.dtype = torch.
 
     def step() -> None:
         nonlocal params, state
-        if native:
-            os.environ.pop("SHARDAX_NO_NATIVE", None)
+        if fused_step:
+            params, state = sx.optim.step(opt, grads, state, params, donate=True)
         else:
-            os.environ["SHARDAX_NO_NATIVE"] = "1"
+            updates, state = opt.update(grads, state, params)
+            params = sx.optim.apply_updates(params, updates, donate=True)
+
+    if native:
+        return step
+
+    def reference() -> None:  # the pure-torch transforms
+        os.environ["SHARDAX_NO_NATIVE"] = "1"
         try:
-            if fused_step:
-                params, state = sx.optim.step(opt, grads, state, params, donate=True)
-            else:
-                updates, state = opt.update(grads, state, params)
-                params = sx.optim.apply_updates(params, updates, donate=True)
+            step()
         finally:
             os.environ.pop("SHARDAX_NO_NATIVE", None)
 
-    return step
+    return reference
 
 
-def _torch(n: int, **kind: bool) -> Callable[[], None]:
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
-    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **kind)
+def _torch(n: int, leaves: str = "one", **kind: bool) -> Callable[[], None]:
+    ps = [torch.nn.Parameter(torch.randn(k)) for k in _sizes(n, leaves)]
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    opt = torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **kind)
     return opt.step
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=25_000_000)
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--smoke", action="store_true", help="100k elements, 2 reps")
-    args = parser.parse_args(argv)
-    numel, reps = (100_000, 2) if args.smoke else (args.numel, args.reps)
-    torch.set_num_threads(args.threads)
+def _measure(numel: int, reps: int, seed: int) -> tuple[dict[str, list[float]], str | None]:
+    """This process's run: every step ``reps`` times, interleaved; the
+    seconds of each call per row, and why DeepSpeed was skipped (or None)."""
     steps = {
         "shardax_step": _shardax(numel, native=True, fused_step=True),
         "shardax": _shardax(numel, native=True, fused_step=False),
@@ -81,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         "shardax_step_bf16_master": _shardax(numel, True, True, torch.bfloat16),
         "torch_foreach": _torch(numel, foreach=True),
         "torch_fused": _torch(numel, fused=True),
+        # the same elements as a GPT's 144 leaves (one native call per step)
+        "shardax_step_gpt_leaves": _shardax(numel, True, True, leaves="gpt"),
+        "torch_fused_gpt_leaves": _torch(numel, "gpt", fused=True),
     }
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _deepspeed import cpu_adamw
@@ -95,17 +114,77 @@ def main(argv: list[str] | None = None) -> int:
         fn()
         fn()
     names = list(steps)
-    for r in range(reps):  # interleaved, the order rotated (none always follows the same one)
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    order = random.Random(seed)
+    for _ in range(reps):  # interleaved, in a new order each time: a step runs after
+        order.shuffle(names)  # what the one before left in the caches, so none always
+        for name in names:  # follows the same one (a rotation would keep the neighbours)
             start = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - start)
+    return times, ds_skipped
+
+
+def _in_processes(args: argparse.Namespace, reps: int) -> tuple[list[dict], str | None]:
+    """``_measure`` in ``args.processes`` fresh processes, one after another."""
+    runs = []
+    skipped = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            out = os.path.join(tmp, f"{i}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", out, "--seed", str(i),
+                   "--numel", str(args.numel), "--reps", str(reps), "--threads", str(args.threads)]  # fmt: skip
+            # as under `shardax launch`: torch backs large tensors with huge pages
+            env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ}
+            subprocess.run(cmd, check=True, env=env)
+            with open(out) as f:
+                done = json.load(f)
+            runs.append(done["times"])
+            skipped = done["skipped"]
+    return runs, skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--reps", type=int, default=15, help="steps of each row per process")
+    parser.add_argument(
+        "--processes", type=int, default=3,
+        help="fresh processes to run the reps in, one after another: each allocates its "
+        "buffers anew, and where they land in memory moves a step by up to ±5%% here; "
+        "they run with THP_MEM_ALLOC_ENABLE=1 (huge pages) unless it is set, as under "
+        "shardax launch",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--smoke", action="store_true", help="100k elements, 2 reps, 1 process")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # write one process's times here
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    numel, reps = (100_000, 2) if args.smoke else (args.numel, args.reps)
+    torch.set_num_threads(args.threads)
+    if args.child:
+        times, skipped = _measure(numel, reps, args.seed)
+        with open(args.child, "w") as f:
+            json.dump({"times": times, "skipped": skipped}, f)
+        return 0
+    if args.smoke or args.processes <= 1:
+        times, ds_skipped = _measure(numel, reps, args.seed)
+        runs = [times]
+    else:
+        runs, ds_skipped = _in_processes(args, reps)
     from shardax.kernels import OPTIM
 
     rows = {}
-    for name, ts in times.items():
+    for name in runs[0]:
+        ts = [t for run in runs for t in run[name]]
         ms = 1e3 * statistics.median(ts)
-        rows[name] = {"ms": ms, "GBps": BYTES_PER_ELEMENT * numel / (ms / 1e3) / 1e9, "all_ms": ts}
+        elements = sum(gpt_sizes(numel)) if name.endswith("_gpt_leaves") else numel
+        rows[name] = {
+            "ms": ms,
+            "GBps": BYTES_PER_ELEMENT * elements / (ms / 1e3) / 1e9,
+            "process_ms": [1e3 * statistics.median(run[name]) for run in runs],
+            "all_ms": [1e3 * t for t in ts],
+        }
     fused = rows["torch_fused"]["ms"]
     for r in rows.values():
         r["vs_torch_fused"] = fused / r["ms"]
@@ -113,15 +192,22 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "optim",
         "numel": numel,
         "threads": args.threads,
+        "processes": len(runs),
+        "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "1" if len(runs) > 1 else "0"),
         "torch": torch.__version__,
         "native": OPTIM.status(),
         "deepspeed": {"skipped": ds_skipped},
         "results": rows,
     }
-    print(f"AdamW step, {numel:,} fp32 elements, {args.threads} threads, median of {reps}")
+    print(
+        f"AdamW step, {numel:,} fp32 elements, {args.threads} threads, median of {reps} "
+        f"steps x {len(runs)} processes (per-process medians in brackets)"
+    )
     for name, r in rows.items():
+        each = " ".join(f"{x:.1f}" for x in r["process_ms"])
         print(
-            f"{name:<26}{r['ms']:>9.1f} ms{r['GBps']:>8.1f} GB/s  x{r['vs_torch_fused']:.2f} torch fused"
+            f"{name:<26}{r['ms']:>9.1f} ms{r['GBps']:>8.1f} GB/s  "
+            f"x{r['vs_torch_fused']:.2f} torch fused  [{each}]"
         )
     if ds_skipped:
         print(f"deepspeed_cpu_adam: skipped ({ds_skipped})")

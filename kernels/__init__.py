@@ -11,8 +11,8 @@ error. ``shardax report`` lists each library's status.
   counters (reductions of fp32/fp64/fp16/bf16/int32/int64).
 - ``optim``: fused optimizer steps — AdamW, Lion, Adagrad and RMSprop in one
   pass over gradient, state and parameter (writing the update, or the new
-  param and its bf16/fp16 copy) — used by :mod:`shardax.optim` for fp32 CPU
-  state (:func:`shardax.optim.step`).
+  param and its bf16/fp16 copy), every leaf of a step in one call — used by
+  :mod:`shardax.optim` for fp32 CPU state (:func:`shardax.optim.step`).
 """
 
 from __future__ import annotations

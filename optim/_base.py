@@ -260,6 +260,13 @@ class Flat:
         self.tree, self.what = tree, what
         self.leaves, self.spec = flatten(tree, what)
 
+    @classmethod
+    def of(cls, tree: Any, leaves: list[Leaf], spec: Any, what: str) -> Flat:
+        """The Flat of ``tree``, already flattened into ``leaves`` and ``spec``."""
+        flat = cls.__new__(cls)
+        flat.tree, flat.what, flat.leaves, flat.spec = tree, what, leaves, spec
+        return flat
+
     def __len__(self) -> int:
         return len(self.leaves)
 

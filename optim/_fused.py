@@ -11,8 +11,10 @@ take different paths.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,8 +36,6 @@ __all__ = ["fused_adagrad", "fused_adamw", "fused_lion", "fused_rmsprop"]
 
 _GRADS = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}  # the kernels' dtype codes
 _SHADOWS = {torch.float16: 2, torch.bfloat16: 3}
-_IO = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-       ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]  # fmt: skip
 _SCALARS = {"sx_adamw": 8, "sx_adam_l2": 8, "sx_lion": 4, "sx_adagrad": 3, "sx_rmsprop": 5}
 
 
@@ -46,16 +46,14 @@ def _lib() -> Any:
     if lib is not None and not getattr(lib, "_shardax_typed", False):
         for name, scalars in _SCALARS.items():
             fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p] * 2 + _IO + [ctypes.c_double] * scalars  # 2 state
+            # the leaves' table, their count, apply; the scalars
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+            fn.argtypes += [ctypes.c_double] * scalars
             fn.restype = ctypes.c_int
         lib.sx_threads.argtypes = [ctypes.c_int]
         lib.sx_threads.restype = None
         lib._shardax_typed = True
     return lib
-
-
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, Sharded)
 
 
 def _covered(leaves: Sequence[Any], dtypes: Any) -> bool:
@@ -108,80 +106,209 @@ class _Count:
         return self.tensor
 
 
-def _rate(lr: Any, sched: Any) -> tuple[float, Any] | None:
-    """This step's learning rate and the schedule state after it, or None
-    when the reference must run (a negative rate: it raises the clear error).
-    Call it only once the kernels run: a schedule's count advances in place."""
-    if callable(lr):
-        if not (isinstance(sched, ScaleByScheduleState) and _Count.usable(sched.count)):
+class _Bound:
+    """What one call steps, checked: the core transform's state and the
+    schedule's, the main buffer field's leaves (what gradients align to), the
+    local tensors of each buffer field, the step counts the kernels advance
+    in place (the core's, the schedule's; None where absent) and, once
+    :meth:`read`, the params' leaves and local tensors aligned to the state
+    (None where the call reads no params)."""
+
+    __slots__ = ("buffers", "core", "count", "flat", "p", "p_leaves", "p_spec", "sched",
+                 "sched_count")  # fmt: skip
+
+    def __init__(self, core: Any, sched: Any, flat: Flat, buffers: list, count: Any,
+                 sched_count: Any) -> None:  # fmt: skip
+        self.core, self.sched, self.flat, self.buffers = core, sched, flat, buffers
+        self.count, self.sched_count = count, sched_count
+        self.p_leaves: list = []
+        self.p_spec: Any = None
+        self.p: list = [None] * len(flat)
+
+    def read(self, params: Any, step: bool) -> bool:
+        """Take ``params`` (for a step, or a decay): False where the kernels
+        do not cover them — other dtypes or devices, or (for a step) laid out
+        unlike the state (ZeRO-1/2's replicated params)."""
+        flat = self.flat
+        leaves, spec = optree.tree_flatten(params)
+        if spec != flat.spec:
+            return False
+        p = _plain(leaves, flat, (torch.float32,))
+        if p is None:  # the general path: relaid (a decay), or strided
+            if not _covered(leaves, (torch.float32,)):
+                return False
+            if step and not laid_out_like(leaves, flat):
+                return False
+            p = [local(x) for x in flat.align_flat(leaves, params, "params")]
+        self.p_leaves, self.p_spec, self.p = leaves, spec, p
+        return True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The state's buffers the kernels address (their pointers are kept)."""
+        counts = [c for c in (self.count, self.sched_count) if c is not None]
+        return [t for b in self.buffers for t in b] + counts
+
+    def rate(self, lr: Any) -> float | None:
+        """This step's learning rate, or None when the reference must run (a
+        negative rate: it raises the clear error)."""
+        rate = float(lr(int(_Count(self.sched_count).value))) if callable(lr) else float(lr)
+        return None if rate < 0 else rate
+
+    def advance(self, core: bool = True) -> None:
+        """Advance the step counts in place (the state is donated) — not the
+        core's unless ``core``."""
+        for count in (self.count if core else None, self.sched_count):
+            if count is not None:
+                _Count(count).advance()
+
+
+class _Binder:
+    """Binds a call's state and params (:class:`_Bound`) for one fused
+    optimizer: a chain state of ``length`` holding one ``core`` transform
+    state whose buffer ``fields`` (the last the main one) the kernels update,
+    then the learning rate's state. The checks of the last call's state are
+    kept for the next one, while the same leaves at the same addresses come
+    back (a step is handed the buffers it stepped): a step's Python is paid
+    with the caches cold from the pass before. Only weak references are
+    kept, so a state its user drops is freed."""
+
+    def __init__(self, core: type, fields: tuple[str, ...], length: int, lr: Any,
+                 counted: bool) -> None:  # fmt: skip
+        self.core, self.fields, self.length, self.lr = core, fields, length, lr
+        self.counted = counted
+        # the last state's (weak references to its leaves, treespec, the
+        # indices of each buffer field and of the counts among the leaves,
+        # the main field's treespec, the buffers' pointers): one tuple, so a
+        # binder shared between threads reads one call's all together
+        self.kept: tuple | None = None
+
+    def bind(self, state: Any, params: Any, *, step: bool, decay: bool) -> _Bound | None:
+        if decay and params is None:
             return None
-        count = _Count(sched.count)
-        rate = float(lr(count.value))
-        return None if rate < 0 else (rate, count)
-    return float(lr), None
+        # (Sharded is no pytree node: optree takes it as a leaf without an
+        # is_leaf callback, which would cost a Python call per node)
+        leaves, spec = optree.tree_flatten(state)
+        kept = self.kept
+        bound = None
+        if kept is not None and spec == kept[1] and _same(kept[0], leaves):
+            bound = self._rebind(state, leaves, kept)
+        if bound is None:
+            bound = self._check(state)
+            if bound is None:
+                return None
+            self._keep(leaves, spec, bound)
+        return bound if not (step or decay) or bound.read(params, step) else None
+
+    def _rebind(self, state: Any, leaves: list, kept: tuple) -> _Bound | None:
+        _, _, buffers_at, count_at, sched_at, main_spec, ptrs = kept
+        core, sched = _parts(state, self.core, self.length)  # type: ignore[misc]
+        main = [leaves[i] for i in buffers_at[-1]]
+        flat = Flat.of(getattr(core, self.fields[-1]), main, main_spec, f"state.{self.fields[-1]}")
+        bound = _Bound(
+            core, sched, flat, [[local(leaves[i]) for i in at] for at in buffers_at],
+            None if count_at is None else leaves[count_at],
+            None if sched_at is None else leaves[sched_at],
+        )  # fmt: skip
+        return bound if [t.data_ptr() for t in bound.tensors()] == ptrs else None
+
+    def _keep(self, leaves: list, spec: Any, bound: _Bound) -> None:
+        """Remember ``bound`` by the positions of its tensors among ``leaves``
+        (each a distinct leaf)."""
+        self.kept = None
+        at = {id(x): i for i, x in enumerate(leaves)}
+        if len(at) != len(leaves):
+            return  # a tensor twice: checked afresh each call
+        try:
+            refs = [weakref.ref(x) for x in leaves]
+            buffers_at = [[at[id(x)] for x in optree.tree_leaves(getattr(bound.core, f))]
+                          for f in self.fields]  # fmt: skip
+            count_at = None if bound.count is None else at[id(bound.count)]
+            sched_at = None if bound.sched_count is None else at[id(bound.sched_count)]
+        except (KeyError, TypeError):
+            return
+        ptrs = [t.data_ptr() for t in bound.tensors()]
+        self.kept = (refs, spec, buffers_at, count_at, sched_at, bound.flat.spec, ptrs)
+
+    def _check(self, state: Any) -> _Bound | None:
+        """The state's full checks: None where the kernels do not cover it —
+        decided alike on every rank, before any collective or write (the
+        reference then runs, and raises the clear errors)."""
+        parts = _parts(state, self.core, self.length)
+        if parts is None:
+            return None
+        core, sched = parts
+        sched_count = None
+        if callable(self.lr):
+            if not (isinstance(sched, ScaleByScheduleState) and _Count.usable(sched.count)):
+                return None
+            sched_count = sched.count
+        count = None
+        if self.counted:
+            if not _Count.usable(core.count):
+                return None
+            count = core.count
+        main = self.fields[-1]
+        flat = Flat(getattr(core, main), f"state.{main}")
+        buffers = [flat.same(getattr(core, f), f"state.{f}") for f in self.fields[:-1]]
+        buffers.append(flat.locals)
+        if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                   for b in buffers for t in b):  # fmt: skip
+            return None
+        return _Bound(core, sched, flat, buffers, count, sched_count)
 
 
-def _advanced(sched: Any, count: _Count | None) -> Any:
-    return sched if count is None else ScaleByScheduleState(count.advance())
+def _same(refs: list, leaves: list) -> bool:
+    """``leaves`` are the very objects ``refs`` refer to."""
+    if len(leaves) != len(refs):
+        return False
+    return all(ref() is x for ref, x in zip(refs, leaves, strict=True))
 
 
 class _Pass:
-    """One fused pass per leaf: where the gradient, the param and the result
-    are. ``step``: the result is the new param (written into the param's own
-    buffer with ``donate``) and ``shadows`` (if given) receive it rounded to
-    their low precision; otherwise the result is the update. Made by
-    :meth:`plan`, which flattens each tree once (a step's Python overhead is
-    paid with caches cold from the pass before)."""
+    """One fused pass over every leaf, in one native call: where the
+    gradients, the params and the results are. ``step``: the result is the
+    new param (written into the param's own buffer with ``donate``) and
+    ``shadows`` (if given) receive it rounded to their low precision;
+    otherwise the result is the update. Made by :meth:`plan`."""
 
-    def __init__(self, lib: Any, flat: Flat, g: list, p_leaves: list, p_spec: Any, p: list,
-                 step: bool, donate: bool, shadows: Any) -> None:  # fmt: skip
-        self.lib, self.flat, self.g, self.step, self.donate = lib, flat, g, step, donate
-        self.p_leaves, self.p_spec = p_leaves, p_spec
-        self.given = p
-        self.p = [x if x is None or x.is_contiguous() else x.contiguous() for x in p]
+    def __init__(self, lib: Any, bound: _Bound, g: list, step: bool, donate: bool,
+                 shadows: Any) -> None:  # fmt: skip
+        self.lib, self.bound, self.g, self.step, self.donate = lib, bound, g, step, donate
+        self.given = bound.p
+        self.p = [x if x is None or x.is_contiguous() else x.contiguous() for x in bound.p]
         if step:
             self.out = [
                 x if donate and x is y else torch.empty_like(x)  # type: ignore[arg-type]
                 for x, y in zip(self.p, self.given, strict=True)
             ]
         else:
-            self.out = [torch.empty(x.shape, dtype=torch.float32) for x in flat.locals]
+            self.out = [torch.empty(x.shape, dtype=torch.float32) for x in bound.buffers[-1]]
         self.shadows = list(shadows) if shadows is not None else None
         lib.sx_threads(torch.get_num_threads())  # as many threads as torch's ops use
 
     @classmethod
     def plan(
         cls,
-        flat: Flat,
-        state: Sequence[torch.Tensor],
+        bound: _Bound,
         updates: Any,
-        params: Any,
         *,
         step: bool,
         donate: bool,
-        decay: bool,
         shadows: Sequence[torch.Tensor] | None,
         grads: tuple[torch.dtype, ...],
     ) -> _Pass | None:
-        """The pass, or None where the kernels do not cover the call — decided
-        alike on every rank, before any collective or write (the reference
-        then runs, and raises the clear errors)."""
-        if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-                   for t in state):  # fmt: skip
+        """The pass over ``bound`` and the gradients ``updates``, or None where
+        the kernels do not cover the gradients or the shadows (decided as
+        :meth:`_Binder.bind`)."""
+        flat = bound.flat
+        g_leaves, g_spec = optree.tree_flatten(updates)
+        if g_spec != flat.spec:
             return None
-        g_leaves, g_spec = optree.tree_flatten(updates, is_leaf=_is_leaf)
-        if g_spec != flat.spec or not _covered(g_leaves, grads):
-            return None
-        p_leaves: list = []
-        p_spec = None
-        if step or decay:
-            if params is None:
+        g = _plain(g_leaves, flat, grads)
+        if g is None:
+            if not _covered(g_leaves, grads):
                 return None
-            p_leaves, p_spec = optree.tree_flatten(params, is_leaf=_is_leaf)
-            if p_spec != flat.spec or not _covered(p_leaves, (torch.float32,)):
-                return None
-            if step and not laid_out_like(p_leaves, flat):
-                return None
+            g = [local(x).contiguous() for x in flat.align_flat(g_leaves, updates, "updates")]
         if shadows is not None and not all(
             t.dtype in _SHADOWS and t.is_contiguous() for t in shadows
         ):
@@ -189,44 +316,72 @@ class _Pass:
         lib = _lib()
         if lib is None:
             return None
-        g = [local(x).contiguous() for x in flat.align_flat(g_leaves, updates, "updates")]
-        p: list = [None] * len(flat)
-        if p_leaves:
-            p = [local(x) for x in flat.align_flat(p_leaves, params, "params")]
-        return cls(lib, flat, g, p_leaves, p_spec, p, step, donate, shadows)
+        return cls(lib, bound, g, step, donate, shadows)
 
-    def args(self, i: int) -> tuple[Any, ...]:
-        g, p, out = self.g[i], self.p[i], self.out[i]
-        shadow = self.shadows[i] if self.shadows is not None else None
-        return (
-            g.data_ptr(), _GRADS[g.dtype], None if p is None else p.data_ptr(), out.data_ptr(),
-            int(self.step), None if shadow is None else shadow.data_ptr(),
-            0 if shadow is None else _SHADOWS[shadow.dtype], out.numel(),
-        )  # fmt: skip
-
-    def call(self, kernel: str, *args: Any) -> None:
-        code = getattr(self.lib, kernel)(*args)
+    def call(self, kernel: str, s0: Sequence[torch.Tensor], s1: Sequence[torch.Tensor],
+             *scalars: float) -> None:  # fmt: skip
+        """Run ``kernel`` over every non-empty leaf, ``s0``/``s1`` its state
+        buffers (see kernels/csrc/optim.cpp: 9 int64 per leaf)."""
+        table: list[int] = []
+        shadows = self.shadows
+        for i, (g, p, out) in enumerate(zip(self.g, self.p, self.out, strict=True)):
+            n = out.numel()
+            if n:
+                shadow = None if shadows is None else shadows[i]
+                table += (
+                    s0[i].data_ptr(), s1[i].data_ptr(), g.data_ptr(), _GRADS[g.dtype],
+                    0 if p is None else p.data_ptr(), out.data_ptr(),
+                    0 if shadow is None else shadow.data_ptr(),
+                    0 if shadow is None else _SHADOWS[shadow.dtype], n,
+                )  # fmt: skip
+        if not table:
+            return
+        rows = array.array("q", table)
+        count = len(table) // 9
+        code = getattr(self.lib, kernel)(rows.buffer_info()[0], count, int(self.step), *scalars)
         if code != 0:  # the dtype tables and the kernel disagree: never return garbage
             raise RuntimeError(f"the native {kernel} kernel refused its arguments ({code})")
 
     def result(self, params: Any) -> Any:
         """The updates (a tree like the state), or the new params (like ``params``)."""
         if not self.step:
-            return self.flat.build(self.out)
+            return self.bound.flat.build(self.out)
         if self.donate:
             written = True
             for given, out in zip(self.given, self.out, strict=True):
                 if given is not out:  # a non-contiguous param took its result in a copy
-                    given.copy_(out)  # type: ignore[union-attr]
+                    with torch.no_grad():
+                        given.copy_(out)  # type: ignore[union-attr]
                     written = False
             if written:
                 return params  # every buffer holds its new value: the same tree
             self.out = list(self.given)  # type: ignore[arg-type]
         rebuilt = [
             x.with_local(t) if isinstance(x, Sharded) else t
-            for x, t in zip(self.p_leaves, self.out, strict=True)
+            for x, t in zip(self.bound.p_leaves, self.out, strict=True)
         ]
-        return optree.tree_unflatten(self.p_spec, rebuilt)
+        return optree.tree_unflatten(self.bound.p_spec, rebuilt)
+
+
+def _plain(leaves: list, flat: Flat, dtypes: tuple[torch.dtype, ...]) -> list | None:
+    """The local tensors of ``leaves`` (gradients or params) where each is
+    already what the kernels read — a contiguous CPU tensor of one of
+    ``dtypes``, laid out as its state leaf (the common case, checked cheaply)
+    — else None (the general path aligns them, and raises the clear errors)."""
+    out = []
+    for x, ref in zip(leaves, flat.leaves, strict=True):
+        if isinstance(ref, Sharded):
+            if not (isinstance(x, Sharded) and x.shape == ref.shape):
+                return None
+            if x.layout is not ref.layout and x.layout != ref.layout:
+                return None
+            x = x.local
+        elif not isinstance(x, torch.Tensor) or x.shape != ref.shape:
+            return None
+        if x.dtype not in dtypes or not x.is_cpu or not x.is_contiguous():
+            return None
+        out.append(x)
+    return out
 
 
 Native = Callable[..., "tuple[Any, Any] | None"]
@@ -247,8 +402,9 @@ def _with_step(reference: GradientTransformation, native: Native) -> GradientTra
         donate: bool = False,
         shadows: Sequence[torch.Tensor] | None = None,
     ) -> tuple[Any, Any] | None:
-        with torch.no_grad():
-            return native(updates, state, params, step=True, donate=donate, shadows=shadows)
+        # the kernels write through pointers, outside autograd; the few
+        # tensor ops around them are under no_grad where they write
+        return native(updates, state, params, step=True, donate=donate, shadows=shadows)
 
     step.reads_low_precision_grads = True  # type: ignore[attr-defined]  # see with_master_weights
     return transformation(reference.init, update)._replace(step=step)
@@ -282,35 +438,27 @@ def fused_adamw(
     length = (3 if wd else 2) if l2 else 3
     grads = _decayed_grads(wd) if l2 else tuple(_GRADS)
     kernel = "sx_adam_l2" if l2 else "sx_adamw"
+    binder = _Binder(ScaleByAdamState, ("mu", "nu"), length, lr, counted=True)
 
     def native(updates: Any, state: Any, params: Any, *, step: bool, donate: bool,
                shadows: Any) -> tuple[Any, Any] | None:  # fmt: skip
-        parts = _parts(state, ScaleByAdamState, length)
-        if parts is None or (wd and params is None):
+        bound = binder.bind(state, params, step=step, decay=bool(wd))
+        if bound is None:
             return None
-        adam, sched = parts
-        step_rate = _rate(lr, sched)
-        if step_rate is None or not _Count.usable(adam.count):
-            return None
-        rate, sched_count = step_rate
-        flat = Flat(adam.nu, "state.nu")
-        nu = flat.locals
-        mu = flat.same(adam.mu, "state.mu")
-        run = _Pass.plan(flat, mu + nu, updates, params, step=step, donate=donate,
-                         decay=bool(wd), shadows=shadows, grads=grads)  # fmt: skip
+        rate = bound.rate(lr)
+        run = None if rate is None else _Pass.plan(
+            bound, updates, step=step, donate=donate, shadows=shadows, grads=grads
+        )  # fmt: skip
         if run is None:
             return None
-        count = _Count(adam.count)
-        t = count.value + 1
+        t = _Count(bound.count).value + 1
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-        for i, (m, v) in enumerate(zip(mu, nu, strict=True)):
-            if m.numel():
-                run.call(kernel, m.data_ptr(), v.data_ptr(), *run.args(i),
-                         1.0 - b1, b2, 1.0 - b2, bc2**0.5, eps, 1.0 / bc1, wd, -rate)  # fmt: skip
-        # the moments and the counts are updated in place (the state is donated)
-        new_adam = ScaleByAdamState(count.advance(), adam.mu, adam.nu)
-        new_state = [new_adam if s is adam else s for s in state[:-1]]
-        return run.result(params), (*new_state, _advanced(sched, sched_count))
+        mu, nu = bound.buffers
+        run.call(kernel, mu, nu, 1.0 - b1, b2, 1.0 - b2, bc2**0.5, eps, 1.0 / bc1, wd, -rate)
+        # the moments and the counts are updated in place (the state is
+        # donated): the state passed in is the new one
+        bound.advance()
+        return run.result(params), state
 
     return _with_step(reference, native)
 
@@ -324,8 +472,8 @@ def fused_lion(
     return _one_buffer(
         reference, lr, wd, ScaleByLionState, "mu", "sx_lion",
         lambda neg_lr: (1.0 - b1, 1.0 - b2, wd, neg_lr),
-        lambda old, mu: ScaleByLionState(old.count + 1, mu),
-        length=3, grads=tuple(_GRADS),
+        lambda old, mu, step: ScaleByLionState(old.count if step else old.count + 1, mu),
+        length=3, grads=tuple(_GRADS), counted=True,
     )  # fmt: skip
 
 
@@ -337,39 +485,39 @@ def _one_buffer(
     field: str,
     kernel: str,
     scalars: Callable[[float], tuple[float, ...]],
-    rebuild: Callable[[Any, Any], Any],
+    rebuild: Callable[[Any, Any, bool], Any],
     *,
     length: int,
     grads: tuple[torch.dtype, ...],
+    counted: bool = False,
 ) -> GradientTransformation:
     """Lion, Adagrad and RMSprop: a chain of ``length`` states holding one
     ``core`` transform with one buffer (its field ``field``; ``rebuild(old
-    core state, new buffer tree)`` makes the new one), ending in the learning
-    rate's. As the references, an update writes a new buffer; a step reuses it."""
+    core state, new buffer tree, step)`` makes the new one; ``counted``: the
+    core state has a step count too), ending in the learning rate's. As the
+    references, an update writes a new buffer (and count), leaving the core
+    state passed in alone; a step reuses them, advanced in place."""
+    binder = _Binder(core, (field,), length, lr, counted=counted)
 
     def native(updates: Any, state: Any, params: Any, *, step: bool, donate: bool,
                shadows: Any) -> tuple[Any, Any] | None:  # fmt: skip
-        parts = _parts(state, core, length)
-        if parts is None or (wd and params is None):
+        bound = binder.bind(state, params, step=step, decay=bool(wd))
+        if bound is None:
             return None
-        old, sched = parts
-        rate = _rate(lr, sched)
-        if rate is None:
-            return None
-        tree = getattr(old, field)
-        flat = Flat(tree, f"state.{field}")
-        buf = flat.locals
-        run = _Pass.plan(flat, buf, updates, params, step=step, donate=donate, decay=bool(wd),
-                         shadows=shadows, grads=grads)  # fmt: skip
+        rate = bound.rate(lr)
+        run = None if rate is None else _Pass.plan(
+            bound, updates, step=step, donate=donate, shadows=shadows, grads=grads
+        )  # fmt: skip
         if run is None:
             return None
+        buf = bound.buffers[0]
         new_buf = buf if step else [torch.empty_like(b) for b in buf]
-        for i, (b, b2) in enumerate(zip(buf, new_buf, strict=True)):
-            if b.numel():
-                run.call(kernel, b.data_ptr(), b2.data_ptr(), *run.args(i), *scalars(-rate[0]))
-        new_tree = tree if step else flat.build(new_buf)  # a step updates it in place
-        new_state = [rebuild(old, new_tree) if s is old else s for s in state[:-1]]
-        return run.result(params), (*new_state, _advanced(sched, rate[1]))
+        run.call(kernel, buf, new_buf, *scalars(-rate))  # type: ignore[operator]
+        old = bound.core
+        new_tree = getattr(old, field) if step else bound.flat.build(new_buf)  # a step: in place
+        new_state = [rebuild(old, new_tree, step) if s is old else s for s in state[:-1]]
+        bound.advance(core=step)
+        return run.result(params), (*new_state, bound.sched)
 
     return _with_step(reference, native)
 
@@ -380,7 +528,7 @@ def fused_adagrad(
     """``reference`` (adagrad's chain), run by the native kernel as :func:`fused_adamw`."""
     return _one_buffer(
         reference, lr, wd, ScaleByRssState, "sum_of_squares", "sx_adagrad",
-        lambda neg_lr: (wd, eps, neg_lr), lambda _, acc: ScaleByRssState(acc),
+        lambda neg_lr: (wd, eps, neg_lr), lambda _, acc, __: ScaleByRssState(acc),
         length=3 if wd else 2, grads=_decayed_grads(wd),
     )  # fmt: skip
 
@@ -392,7 +540,7 @@ def fused_rmsprop(
     the native kernel as :func:`fused_adamw`."""
     return _one_buffer(
         reference, lr, wd, ScaleByRmsState, "nu", "sx_rmsprop",
-        lambda neg_lr: (decay, 1.0 - decay, wd, eps, neg_lr), lambda _, nu: ScaleByRmsState(nu),
+        lambda neg_lr: (decay, 1.0 - decay, wd, eps, neg_lr), lambda _, nu, __: ScaleByRmsState(nu),
         length=3 if wd else 2, grads=_decayed_grads(wd),
     )  # fmt: skip
 

@@ -1,7 +1,8 @@
 // Fused optimizer steps on CPU: one pass per element over the gradient, the
-// state and the parameter, OpenMP-parallel, with the arithmetic of
-// shardax.optim's reference transforms in the same order, each operation
-// rounded as written (built with -ffp-contract=off; where torch's kernels
+// state and the parameter — every leaf of a step in one call, one
+// OpenMP-parallel region split evenly across leaf boundaries — with the
+// arithmetic of shardax.optim's reference transforms in the same order, each
+// operation rounded as written (built with -ffp-contract=off; where torch's kernels
 // fuse a multiply-add — lerp, addcmul, add with alpha — so does this, with
 // std::fma). torch's vectorised sqrt is not always correctly rounded, so
 // results agree with the reference to about an ulp.
@@ -13,9 +14,11 @@
 // and, when ``shadow`` is given, writes out[i] rounded to fp16/bf16 there
 // too (fp32 master weights and their low-precision params in one pass).
 // Gradients may be fp32, fp16 or bf16 (widened exactly, as torch's cast).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -47,31 +50,77 @@ inline void store_shadow(void* x, int64_t i, float v) {
   if constexpr (T == F16) static_cast<uint16_t*>(x)[i] = sx::f32_to_f16(v);
 }
 
-// Where an update goes: see the top of the file.
-struct Io {
-  const void* g;
-  int g_type;
-  const float* p;
-  float* out;
-  int apply;
-  void* shadow;
-  int shadow_type;
+// One tensor's worth of a step, as the caller lays it out (9 int64 per
+// leaf): the two state buffers (Adam: mu, nu; the one-buffer kernels: the
+// buffer read and the one written, which may be the same), the gradient and
+// its dtype, the param (0: none), where the result goes, the shadow (0:
+// none) and its dtype, and the element count.
+struct Leaf {
+  int64_t s0, s1, g, g_type, p, out, shadow, shadow_type, n;
 };
+static_assert(sizeof(Leaf) == 9 * sizeof(int64_t), "Leaf is 9 int64");
 
-template <int G, int S, bool Apply, class Rule>
-void drive(const Io& io_, int64_t n, const Rule& rule_) {
-#pragma omp parallel if (n > 65536)
-  {
-    // Private copies: the loop's stores cannot alias them, so the compiler
-    // keeps the scalars and pointers in registers and vectorises the loop.
-    const Rule rule = rule_;
-    const void* const g = io_.g;
-    const float* const p = io_.p;
-    float* const out = io_.out;
-    void* const shadow = io_.shadow;
-#pragma omp for simd schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const float u = rule(i, load<G>(g, i));
+template <class T>
+inline T* at(int64_t address) {
+  return reinterpret_cast<T*>(static_cast<intptr_t>(address));
+}
+
+// Everything a loop calls is inlined into it (the rule, the conversions): a
+// call left in the loop body keeps it from being vectorised, and with dozens
+// of instantiations GCC's inlining budget otherwise runs out.
+#if defined(__GNUC__) || defined(__clang__)
+#define SX_FLATTEN __attribute__((flatten))
+#else
+#define SX_FLATTEN
+#endif
+
+// Software prefetch: the loop streams four arrays at once, more than the
+// hardware prefetchers keep far enough ahead on their own; asking for each
+// stream's lines kAhead elements ahead made the memory-bound step ~9 %
+// faster here. Addresses are computed as integers (a prefetch past the end
+// of an array is harmless, pointer arithmetic there is not).
+constexpr int64_t kBlock = 64;   // elements per round of prefetches
+constexpr int64_t kAhead = 512;  // how far ahead, in elements (2 KiB of fp32)
+
+template <class T>
+inline void ahead(const void* x, int64_t j, int write) {
+#if defined(__GNUC__) || defined(__clang__)
+  const uintptr_t base = reinterpret_cast<uintptr_t>(x) + (j + kAhead) * sizeof(T);
+  for (uintptr_t k = 0; k < kBlock * sizeof(T); k += 64) {
+    const void* line = reinterpret_cast<const void*>(base + k);
+    if (write) {
+      __builtin_prefetch(line, 1, 3);
+    } else {
+      __builtin_prefetch(line, 0, 3);
+    }
+  }
+#else
+  (void)x, (void)j, (void)write;
+#endif
+}
+
+// One leaf's elements [begin, end): u = rule(s0, s1, p, i, g_i, decay),
+// then the result (see the top of the file).
+template <int G, int S, bool Apply, class Decay, class Rule>
+SX_FLATTEN void span(const Leaf& leaf, int64_t begin, int64_t end, const Rule& rule_) {
+  // Private copies: the loop's stores cannot alias them, so the compiler
+  // keeps the scalars and pointers in registers and vectorises the loop.
+  const Rule rule = rule_;
+  float* const s0 = at<float>(leaf.s0);
+  float* const s1 = at<float>(leaf.s1);
+  const void* const g = at<const void>(leaf.g);
+  const float* const p = at<const float>(leaf.p);
+  float* const out = at<float>(leaf.out);
+  void* const shadow = at<void>(leaf.shadow);
+  for (int64_t j = begin; j < end; j += kBlock) {
+    ahead<float>(s0, j, 1);
+    ahead<float>(s1, j, 1);
+    ahead<std::conditional_t<G == F32, float, uint16_t>>(g, j, 0);
+    if (p != nullptr) ahead<float>(p, j, 1);
+    const int64_t stop = end - j < kBlock ? end : j + kBlock;
+#pragma omp simd
+    for (int64_t i = j; i < stop; ++i) {
+      const float u = rule(s0, s1, p, i, load<G>(g, i), Decay{});
       const float o = Apply ? p[i] + u : u;
       out[i] = o;
       if constexpr (S != F32) store_shadow<S>(shadow, i, o);
@@ -79,33 +128,71 @@ void drive(const Io& io_, int64_t n, const Rule& rule_) {
   }
 }
 
-template <int G, int S, class Rule>
-void apply_or_not(const Io& io, int64_t n, const Rule& rule) {
-  if (io.apply) {
-    drive<G, S, true>(io, n, rule);
-  } else {
-    drive<G, S, false>(io, n, rule);
+template <int G, int S, class Decay, class Rule>
+void by_apply(const Leaf& leaf, int64_t b, int64_t e, bool apply, const Rule& rule) {
+  if (apply) return span<G, S, true, Decay>(leaf, b, e, rule);
+  span<G, S, false, Decay>(leaf, b, e, rule);
+}
+
+template <int G, class Decay, class Rule>
+void by_shadow(const Leaf& leaf, int64_t b, int64_t e, bool apply, const Rule& rule) {
+  if (leaf.shadow == 0) return by_apply<G, F32, Decay>(leaf, b, e, apply, rule);
+  if (leaf.shadow_type == BF16) return by_apply<G, BF16, Decay>(leaf, b, e, apply, rule);
+  by_apply<G, F16, Decay>(leaf, b, e, apply, rule);
+}
+
+template <class Decay, class Rule>
+void by_grad(const Leaf& leaf, int64_t b, int64_t e, bool apply, const Rule& rule) {
+  if (leaf.g_type == BF16) return by_shadow<BF16, Decay>(leaf, b, e, apply, rule);
+  if (leaf.g_type == F16) return by_shadow<F16, Decay>(leaf, b, e, apply, rule);
+  by_shadow<F32, Decay>(leaf, b, e, apply, rule);
+}
+
+// Elements a thread takes at a time (a multiple of 16: a cache line of
+// floats). The threads take chunks as they finish the last, not an equal
+// share each: on a busy host one descheduled thread would otherwise hold
+// up the whole step.
+constexpr int64_t kChunk = int64_t{1} << 15;
+
+template <class Decay, class Rule>
+void chunk(const Leaf* leaves, const std::vector<int64_t>& starts, int64_t lo, int64_t hi,
+           bool apply, const Rule& rule) {
+  const int64_t count = static_cast<int64_t>(starts.size()) - 1;
+  // the first leaf ending after lo
+  int64_t k = std::upper_bound(starts.begin() + 1, starts.end(), lo) - (starts.begin() + 1);
+  for (; k < count && starts[k] < hi; ++k) {
+    const int64_t b = lo > starts[k] ? lo - starts[k] : 0;
+    const int64_t e = hi - starts[k] < leaves[k].n ? hi - starts[k] : leaves[k].n;
+    if (b < e) by_grad<Decay>(leaves[k], b, e, apply, rule);
   }
 }
 
-template <int G, class Rule>
-void by_shadow(const Io& io, int64_t n, const Rule& rule) {
-  if (io.shadow == nullptr) return apply_or_not<G, F32>(io, n, rule);
-  if (io.shadow_type == BF16) return apply_or_not<G, BF16>(io, n, rule);
-  return apply_or_not<G, F16>(io, n, rule);
-}
-
-// Run ``rule(i, g_i) -> u_i`` over n elements; 0, or -1 for a dtype it does not know.
+// Run ``rule`` over every element of ``count`` leaves in one parallel
+// region, their concatenated elements cut in chunks that the threads take
+// in turn (no barrier per leaf); 0, or -1 for a leaf whose dtypes it does
+// not know or that lacks the param it needs (decay, or apply).
 template <class Rule>
-int run(const Io& io, int64_t n, const Rule& rule) {
-  const bool shadow_ok = io.shadow == nullptr || io.shadow_type == BF16 || io.shadow_type == F16;
-  if (!shadow_ok || (io.apply && io.p == nullptr)) return -1;
-  switch (io.g_type) {
-    case F32: by_shadow<F32>(io, n, rule); return 0;
-    case BF16: by_shadow<BF16>(io, n, rule); return 0;
-    case F16: by_shadow<F16>(io, n, rule); return 0;
-    default: return -1;
+int run(const Leaf* leaves, int64_t count, int apply, bool decay, const Rule& rule) {
+  std::vector<int64_t> starts(static_cast<size_t>(count) + 1, 0);
+  for (int64_t k = 0; k < count; ++k) {
+    const Leaf& l = leaves[k];
+    const bool grad_ok = l.g_type == F32 || l.g_type == BF16 || l.g_type == F16;
+    const bool shadow_ok = l.shadow == 0 || l.shadow_type == BF16 || l.shadow_type == F16;
+    if (!grad_ok || !shadow_ok || l.n < 0 || ((apply || decay) && l.p == 0)) return -1;
+    starts[k + 1] = starts[k] + l.n;
   }
+  const int64_t total = starts[count];
+  const int64_t chunks = (total + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(dynamic, 1) if (total > 65536)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t lo = c * kChunk, hi = total - lo < kChunk ? total : lo + kChunk;
+    if (decay) {
+      chunk<std::true_type>(leaves, starts, lo, hi, apply != 0, rule);
+    } else {
+      chunk<std::false_type>(leaves, starts, lo, hi, apply != 0, rule);
+    }
+  }
+  return 0;
 }
 
 // g / (sqrt(v) + eps) · neg_lr, rounded step by step as the reference.
@@ -113,16 +200,6 @@ inline float scaled(float g, float v, float eps, float neg_lr) {
   float d = std::sqrt(v);
   d = d + eps;
   return (g / d) * neg_lr;
-}
-
-// ``run`` with ``rule(i, g_i, decay)``, ``decay`` a compile-time bool (a
-// branch per element would keep the compiler from vectorising the loop).
-template <class Rule>
-int run_decay(const Io& io, int64_t n, bool decay, const Rule& rule) {
-  if (decay) {
-    return run(io, n, [rule](int64_t i, float gi) { return rule(i, gi, std::true_type{}); });
-  }
-  return run(io, n, [rule](int64_t i, float gi) { return rule(i, gi, std::false_type{}); });
 }
 
 }  // namespace
@@ -146,36 +223,38 @@ namespace {
 // Adam's update, the weight decay decoupled (AdamW) or, with ``L2``, added
 // to the gradient first (Adam's L2): see sx_adamw and sx_adam_l2.
 template <bool L2>
-int adam(float* mu, float* nu, const void* g, int g_type, const float* p, float* out, int apply,
-         void* shadow, int shadow_type, int64_t n, double w1_, double b2_, double w2_,
+int adam(const Leaf* leaves, int64_t count, int apply, double w1_, double b2_, double w2_,
          double sbc2_, double eps_, double inv_bc1_, double wd_, double neg_lr_) {
   const float w1 = static_cast<float>(w1_), fb2 = static_cast<float>(b2_);
   const float w2 = static_cast<float>(w2_), sbc2 = static_cast<float>(sbc2_);
   const float eps = static_cast<float>(eps_), inv_bc1 = static_cast<float>(inv_bc1_);
   const float wd = static_cast<float>(wd_), neg_lr = static_cast<float>(neg_lr_);
-  if (wd_ != 0.0 && p == nullptr) return -1;
-  const Io io{g, g_type, p, out, apply, shadow, shadow_type};
-  return run_decay(io, n, wd_ != 0.0, [=](int64_t i, float gi, auto with_decay) {
-    constexpr bool decay = decltype(with_decay)::value;
-    if constexpr (decay && L2) gi = std::fma(wd, p[i], gi);
-    const float m = lerp(mu[i], gi, w1);
-    const float v = std::fma(w2 * gi, gi, nu[i] * fb2);
-    float d = std::sqrt(v);
-    d = d / sbc2;
-    d = d + eps;
-    float u = (1.0f / (d / m)) * inv_bc1;
-    if constexpr (decay && !L2) u = std::fma(wd, p[i], u);
-    mu[i] = m;
-    nu[i] = v;
-    return u * neg_lr;
-  });
+  return run(leaves, count, apply, wd_ != 0.0,
+             [=](float* mu, float* nu, const float* p, int64_t i, float gi, auto with_decay) {
+               constexpr bool decay = decltype(with_decay)::value;
+               if constexpr (decay && L2) gi = std::fma(wd, p[i], gi);
+               const float m = lerp(mu[i], gi, w1);
+               const float v = std::fma(w2 * gi, gi, nu[i] * fb2);
+               float d = std::sqrt(v);
+               d = d / sbc2;
+               d = d + eps;
+               float u = (1.0f / (d / m)) * inv_bc1;
+               if constexpr (decay && !L2) u = std::fma(wd, p[i], u);
+               mu[i] = m;
+               nu[i] = v;
+               return u * neg_lr;
+             });
 }
 
 }  // namespace
 
+// Every kernel steps ``count`` leaves (see Leaf: s0 and s1 are named in each
+// kernel's comment) in one parallel region, with ``apply`` as at the top of
+// the file, and returns 0, or -1 for arguments it does not know.
 extern "C" {
 
-// AdamW (adamw: scale_by_adam, add_decayed_weights, scale_by_learning_rate):
+// AdamW (adamw: scale_by_adam, add_decayed_weights, scale_by_learning_rate),
+// s0 = mu, s1 = nu:
 //   mu ← lerp(mu, g, w1)                      (in place)
 //   nu ← fma(w2·g, g, nu·b2)                  (in place)
 //   d  ← sqrt(nu) / sbc2 + eps
@@ -184,81 +263,73 @@ extern "C" {
 //   u  ← u · neg_lr
 // with the scalars computed by the caller as the reference computes them, in
 // double, and rounded to float here.
-int sx_adamw(float* mu, float* nu, const void* g, int g_type, const float* p, float* out,
-             int apply, void* shadow, int shadow_type, int64_t n, double w1, double b2, double w2,
+int sx_adamw(const Leaf* leaves, int64_t count, int apply, double w1, double b2, double w2,
              double sbc2, double eps, double inv_bc1, double wd, double neg_lr) {
-  return adam<false>(mu, nu, g, g_type, p, out, apply, shadow, shadow_type, n, w1, b2, w2, sbc2,
-                     eps, inv_bc1, wd, neg_lr);
+  return adam<false>(leaves, count, apply, w1, b2, w2, sbc2, eps, inv_bc1, wd, neg_lr);
 }
 
 // Adam with L2 (adam: [add_decayed_weights], scale_by_adam,
 // scale_by_learning_rate): g ← fma(wd, p, g) when wd ≠ 0, then AdamW's
 // update without its decoupled decay.
-int sx_adam_l2(float* mu, float* nu, const void* g, int g_type, const float* p, float* out,
-               int apply, void* shadow, int shadow_type, int64_t n, double w1, double b2,
-               double w2, double sbc2, double eps, double inv_bc1, double wd, double neg_lr) {
-  return adam<true>(mu, nu, g, g_type, p, out, apply, shadow, shadow_type, n, w1, b2, w2, sbc2,
-                    eps, inv_bc1, wd, neg_lr);
+int sx_adam_l2(const Leaf* leaves, int64_t count, int apply, double w1, double b2, double w2,
+               double sbc2, double eps, double inv_bc1, double wd, double neg_lr) {
+  return adam<true>(leaves, count, apply, w1, b2, w2, sbc2, eps, inv_bc1, wd, neg_lr);
 }
 
-// Lion (lion: scale_by_lion, add_decayed_weights, scale_by_learning_rate):
+// Lion (lion: scale_by_lion, add_decayed_weights, scale_by_learning_rate),
+// s0 = mu, s1 = mu_out:
 //   u  ← sign(lerp(mu, g, w1)); u ← fma(wd, p, u) when wd ≠ 0; u ← u · neg_lr
 //   mu_out ← lerp(mu, g, w2)   (mu_out may be mu)
-int sx_lion(const float* mu, float* mu_out, const void* g, int g_type, const float* p, float* out,
-            int apply, void* shadow, int shadow_type, int64_t n, double w1_, double w2_,
-            double wd_, double neg_lr_) {
+int sx_lion(const Leaf* leaves, int64_t count, int apply, double w1_, double w2_, double wd_,
+            double neg_lr_) {
   const float w1 = static_cast<float>(w1_), w2 = static_cast<float>(w2_);
   const float wd = static_cast<float>(wd_), neg_lr = static_cast<float>(neg_lr_);
-  if (wd_ != 0.0 && p == nullptr) return -1;
-  const Io io{g, g_type, p, out, apply, shadow, shadow_type};
-  return run_decay(io, n, wd_ != 0.0, [=](int64_t i, float gi, auto with_decay) {
-    const float m = mu[i];
-    const float c = lerp(m, gi, w1);
-    float u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c);  // sign, keeping 0 (and NaN)
-    if constexpr (decltype(with_decay)::value) u = std::fma(wd, p[i], u);
-    mu_out[i] = lerp(m, gi, w2);
-    return u * neg_lr;
-  });
+  return run(leaves, count, apply, wd_ != 0.0,
+             [=](float* mu, float* mu_out, const float* p, int64_t i, float gi, auto with_decay) {
+               const float m = mu[i];
+               const float c = lerp(m, gi, w1);
+               float u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c);  // sign, keeping 0 (and NaN)
+               if constexpr (decltype(with_decay)::value) u = std::fma(wd, p[i], u);
+               mu_out[i] = lerp(m, gi, w2);
+               return u * neg_lr;
+             });
 }
 
-// Adagrad (adagrad: [add_decayed_weights], scale_by_rss, scale_by_learning_rate):
+// Adagrad (adagrad: [add_decayed_weights], scale_by_rss, scale_by_learning_rate),
+// s0 = acc, s1 = acc_out:
 //   g  ← fma(wd, p, g) when wd ≠ 0   (L2: the decay goes through the scaling)
 //   acc_out ← fma(g, g, acc)          (acc_out may be acc)
 //   u  ← g / (sqrt(acc_out) + eps) · neg_lr
-int sx_adagrad(const float* acc, float* acc_out, const void* g, int g_type, const float* p,
-               float* out, int apply, void* shadow, int shadow_type, int64_t n, double wd_,
-               double eps_, double neg_lr_) {
+int sx_adagrad(const Leaf* leaves, int64_t count, int apply, double wd_, double eps_,
+               double neg_lr_) {
   const float wd = static_cast<float>(wd_), eps = static_cast<float>(eps_);
   const float neg_lr = static_cast<float>(neg_lr_);
-  if (wd_ != 0.0 && p == nullptr) return -1;
-  const Io io{g, g_type, p, out, apply, shadow, shadow_type};
-  return run_decay(io, n, wd_ != 0.0, [=](int64_t i, float gi, auto with_decay) {
-    if constexpr (decltype(with_decay)::value) gi = std::fma(wd, p[i], gi);
-    const float a = std::fma(gi, gi, acc[i]);
-    acc_out[i] = a;
-    return scaled(gi, a, eps, neg_lr);
-  });
+  return run(leaves, count, apply, wd_ != 0.0,
+             [=](float* acc, float* acc_out, const float* p, int64_t i, float gi, auto with_decay) {
+               if constexpr (decltype(with_decay)::value) gi = std::fma(wd, p[i], gi);
+               const float a = std::fma(gi, gi, acc[i]);
+               acc_out[i] = a;
+               return scaled(gi, a, eps, neg_lr);
+             });
 }
 
 // RMSprop without centering or momentum (rmsprop: [add_decayed_weights],
-// scale_by_rms, scale_by_learning_rate):
+// scale_by_rms, scale_by_learning_rate), s0 = nu, s1 = nu_out:
 //   g  ← fma(wd, p, g) when wd ≠ 0
 //   nu_out ← fma(w·g, g, nu·decay)    (w = 1 - decay; nu_out may be nu)
 //   u  ← g / (sqrt(nu_out) + eps) · neg_lr
-int sx_rmsprop(const float* nu, float* nu_out, const void* g, int g_type, const float* p,
-               float* out, int apply, void* shadow, int shadow_type, int64_t n, double decay_,
-               double w_, double wd_, double eps_, double neg_lr_) {
+int sx_rmsprop(const Leaf* leaves, int64_t count, int apply, double decay_, double w_,
+               double wd_, double eps_, double neg_lr_) {
   const float decay = static_cast<float>(decay_), w = static_cast<float>(w_);
   const float wd = static_cast<float>(wd_), eps = static_cast<float>(eps_);
   const float neg_lr = static_cast<float>(neg_lr_);
-  if (wd_ != 0.0 && p == nullptr) return -1;
-  const Io io{g, g_type, p, out, apply, shadow, shadow_type};
-  return run_decay(io, n, wd_ != 0.0, [=](int64_t i, float gi, auto with_decay) {
-    if constexpr (decltype(with_decay)::value) gi = std::fma(wd, p[i], gi);
-    const float v = std::fma(w * gi, gi, nu[i] * decay);
-    nu_out[i] = v;
-    return scaled(gi, v, eps, neg_lr);
-  });
+  return run(leaves, count, apply, wd_ != 0.0,
+             [=](float* nu, float* nu_out, const float* p, int64_t i, float gi, auto with_decay) {
+               if constexpr (decltype(with_decay)::value) gi = std::fma(wd, p[i], gi);
+               const float v = std::fma(w * gi, gi, nu[i] * decay);
+               nu_out[i] = v;
+               return scaled(gi, v, eps, neg_lr);
+             });
 }
 
 }  // extern "C"

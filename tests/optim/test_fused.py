@@ -74,7 +74,8 @@ def spy(monkeypatch, kernel: str) -> list[int]:
     calls: list[int] = []
     lib = _lib()  # typed: the spy wraps the real, typed function
     real = getattr(lib, kernel)
-    monkeypatch.setattr(lib, kernel, lambda *a: (calls.append(1), real(*a))[1])
+    # one entry per leaf stepped (a call steps its table's a[1] leaves)
+    monkeypatch.setattr(lib, kernel, lambda *a: (calls.extend([1] * a[1]), real(*a))[1])
     return calls
 
 
@@ -108,6 +109,50 @@ def test_fused_matches_the_reference(monkeypatch, name, via, wd, lr, grads):
         torch.testing.assert_close(got[k], ref[k], **tol)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_many_leaves_of_uneven_sizes_step_in_one_call_split_between_threads(
+    monkeypatch, name, threads
+):
+    """A step's leaves go to the kernel in one call, their elements split
+    evenly between the threads across leaf boundaries: sizes that are no
+    multiple of a cache line, an empty leaf, a total above the parallel
+    threshold — every element stepped once, as the reference steps it."""
+    sizes = [70001, 5, 0, 33333, 17, 65536, 1]
+    make, kernel, exact = OPTIMIZERS[name]
+
+    def go(on: bool):
+        native(monkeypatch, on)
+        g = torch.Generator().manual_seed(1)
+        params = {f"p{i}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
+        opt = make(1e-2, 0.1)
+        state = opt.init(params)
+        for _ in range(3):
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            if on:
+                params, state = sx.optim.step(opt, grads, state, params, donate=True)
+            else:
+                updates, state = opt.update(grads, state, params)
+                params = sx.optim.apply_updates(params, updates)
+        return params, state
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ref, rstate = go(False)
+        native(monkeypatch, True)
+        calls = spy(monkeypatch, kernel)
+        got, state = go(True)
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 3 * (len(sizes) - 1)  # every non-empty leaf, every step
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 2e-7}
+    for a, b in zip(state_tensors(state), state_tensors(rstate), strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], **tol)
+
+
 def test_an_update_leaves_the_params_alone_and_a_step_without_donate_too():
     opt = sx.optim.adamw(1e-2)
     params = {"w": torch.ones(5)}
@@ -134,6 +179,72 @@ def test_what_the_kernels_do_not_cover_runs_the_reference(monkeypatch):
     assert not calls
     for opt in (sx.optim.rmsprop(1e-2, momentum=0.9), sx.optim.rmsprop(1e-2, centered=True)):
         assert opt.step is None  # the chain's own update
+
+
+def _scripted(monkeypatch, on: bool, meddle) -> tuple[dict, object, list]:
+    """Six donated AdamW steps; after the third, ``meddle(params, state)``
+    changes what the caller hands back (what the kernels' kept checks must
+    notice). Returns the params, the state and the kernel calls."""
+    native(monkeypatch, on)
+    calls = spy(monkeypatch, "sx_adamw") if on else []
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4099, generator=g), "b": torch.randn(3, generator=g)}
+    opt = sx.optim.adamw(1e-2, weight_decay=0.1)
+    state = opt.init(params)
+    for i in range(6):
+        if i == 3:
+            meddle(params, state)
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        params, state = sx.optim.step(opt, grads, state, params, donate=True)
+    return params, state, calls
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack([x, x], 1)[:, 0]  # equal values, every other element of a buffer
+
+
+def _swap_state_leaf(params, state):
+    state[0].nu["w"] = _strided(state[0].nu["w"])  # another tensor in the same dict
+
+
+def _move_a_state_leaf(params, state):
+    state[0].mu["w"].data = _strided(state[0].mu["w"])  # the same tensor object, new storage
+
+
+def _swap_a_param(params, state):
+    params["b"] = _strided(params["b"])
+
+
+@pytest.mark.parametrize("meddle", [_swap_state_leaf, _move_a_state_leaf, _swap_a_param])
+def test_the_checks_kept_between_steps_follow_what_the_caller_hands_back(monkeypatch, meddle):
+    """A step keeps its checks of the state and params for the next (the
+    same buffers come back each step); a state leaf or a param swapped for
+    a strided one, a state leaf's storage moved: the next step notices (the
+    kernels take contiguous buffers: the state's are left to the reference,
+    the params' are stepped in a copy) and the values stay the reference's."""
+    ref, rstate, _ = _scripted(monkeypatch, False, meddle)
+    got, state, calls = _scripted(monkeypatch, True, meddle)
+    assert len(calls) == (6 * 2 if meddle is _swap_a_param else 3 * 2)
+    for a, b in zip(state_tensors(state), state_tensors(rstate), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=2e-7)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=2e-7)
+
+
+def test_a_state_its_user_drops_is_freed():
+    import gc
+    import weakref
+
+    opt = sx.optim.adamw(1e-2)
+    params = {"w": torch.zeros(100)}
+    state = opt.init(params)
+    params, state = sx.optim.step(opt, {"w": torch.ones(100)}, state, params, donate=True)
+    nu = weakref.ref(state[0].nu["w"])
+    state = opt.init(params)  # e.g. a fresh state, or one loaded from a checkpoint
+    gc.collect()
+    assert nu() is None
+    params, state = sx.optim.step(opt, {"w": torch.ones(100)}, state, params, donate=True)
+    assert int(state[0].count) == 1
 
 
 @pytest.mark.parametrize("donate", [False, True])

@@ -341,10 +341,10 @@ def _arranged_grads(dense: dict, mesh: sx.Mesh, arrangement: str) -> dict[str, s
 def _run_sharded(names: list[str], arrangement: str, via: str = "update") -> dict:
     from shardax.optim import _fused
 
-    fused_steps = []  # kernel calls that wrote params (apply = 1): the one-pass step ran
+    fused_steps = []  # leaves the kernels stepped, writing params (1): the one-pass step ran
     real_call = _fused._Pass.call
     _fused._Pass.call = lambda self, kernel, *a: (  # type: ignore[method-assign]
-        fused_steps.append(a[6]),
+        fused_steps.extend([int(self.step)] * sum(1 for t in a[0] if t.numel())),
         real_call(self, kernel, *a),
     )[1]
     mesh = sx.Mesh({"dp": 2, "tp": 2})
