@@ -14,6 +14,7 @@ model hands an optimizer): shardax steps them in one native call.
 
     python benchmarks/optim.py --json optim.json     # 3 processes x 15 steps each
     python benchmarks/optim.py --smoke               # seconds
+    python benchmarks/optim.py --device cuda --numel 100000000   # on a GPU (needs CuPy)
 """
 
 from __future__ import annotations
@@ -143,8 +144,83 @@ def _in_processes(args: argparse.Namespace, reps: int) -> tuple[list[dict], str 
     return runs, skipped
 
 
+def _cuda(numel: int, reps: int) -> dict[str, dict[str, float]]:
+    """On the GPU: shardax's CUDA AdamW kernel (:mod:`shardax.kernels.cuda`)
+    against torch's fused and foreach AdamW and a plain copy of the same
+    bytes (the bandwidth ceiling), each timed by CUDA events, interleaved."""
+    from shardax.kernels import cuda
+
+    dev = torch.device("cuda")
+    p, g, m, v = (torch.randn(numel, device=dev) for _ in range(4))
+    v.abs_()
+    count = [0]
+
+    def ours() -> None:
+        count[0] += 1
+        cuda.adamw_(p, g, m, v, step=count[0], lr=1e-3, weight_decay=0.1)
+
+    steps: dict[str, Callable[[], None]] = {"shardax_cuda_adamw": ours}
+    for kind in ("fused", "foreach"):
+        tp = torch.nn.Parameter(torch.randn(numel, device=dev))
+        tp.grad = torch.randn(numel, device=dev)
+        topt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.1, **{kind: True})
+        steps[f"torch_{kind}"] = topt.step
+    src = torch.empty(BYTES_PER_ELEMENT * numel // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)  # 14 bytes per element read and 14 written, as a step moves
+    steps["copy"] = lambda: dst.copy_(src)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for fn in steps.values():
+        fn()
+    torch.cuda.synchronize()
+    names, order = list(steps), random.Random(0)
+    for _ in range(reps):
+        order.shuffle(names)
+        for name in names:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            steps[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    rows = {}
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        rows[name] = {"ms": ms, "TBps": BYTES_PER_ELEMENT * numel / (ms / 1e3) / 1e12}
+    for r in rows.values():
+        r["vs_torch_fused"] = rows["torch_fused"]["ms"] / r["ms"]
+        r["of_copy"] = rows["copy"]["ms"] / r["ms"]
+    return rows
+
+
+def _cuda_main(args: argparse.Namespace) -> int:
+    numel, reps = (1_000_000, 3) if args.smoke else (args.numel, args.reps)
+    result: dict = {"benchmark": "optim", "device": "cuda", "numel": numel}
+    if not torch.cuda.is_available():
+        result["skipped"] = "no CUDA device is visible"
+        print(f"optim on cuda: skipped ({result['skipped']})")
+    else:
+        try:
+            result["results"] = _cuda(numel, reps)
+            result["gpu"] = torch.cuda.get_device_name()
+        except ImportError as err:
+            result["skipped"] = f"cannot import cupy ({err})"
+            print(f"optim on cuda: skipped ({result['skipped']})")
+    for name, r in result.get("results", {}).items():
+        print(f"{name:<22}{r['ms']:>9.3f} ms{r['TBps']:>7.2f} TB/s  x{r['vs_torch_fused']:.2f} "
+              f"torch fused  {100 * r['of_copy']:.0f}% of copy")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: shardax's CUDA AdamW kernel against torch's on the GPU "
+        "(--numel 100000000 for the 100M-element goal)",
+    )  # fmt: skip
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--reps", type=int, default=15, help="steps of each row per process")
     parser.add_argument(
@@ -160,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # write one process's times here
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        return _cuda_main(args)
     numel, reps = (100_000, 2) if args.smoke else (args.numel, args.reps)
     torch.set_num_threads(args.threads)
     if args.child:

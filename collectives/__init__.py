@@ -6,7 +6,9 @@
 rank computes identically. Their autograd transposes are one
 table (:mod:`shardax.collectives._ops`). Backends sit behind one small
 interface (:class:`Backend`); ``torch`` (gloo on CPU, NCCL on GPU) is the
-reference. ``SHARDAX_BACKEND`` chooses.
+reference, ``shm`` the default for CPU ranks on a node, ``cupy`` (NCCL
+communicators made by CuPy) for GPU ranks where CuPy loads.
+``SHARDAX_BACKEND`` chooses.
 """
 
 from ._api import AsyncResult as AsyncResult

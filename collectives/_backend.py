@@ -186,24 +186,46 @@ def _shm() -> Backend:
 
 
 _BACKENDS["shm"] = _shm
+_CUPY: list[Backend] = []
+
+
+def _cupy() -> Backend:
+    from ..mesh._runtime import _default_store
+    from ._cupy_backend import CupyBackend, cupy_available
+
+    if not _CUPY:
+        ok, why = cupy_available()
+        if not ok:
+            raise CollectiveError(
+                f"the cupy backend is unavailable here: {why}; pip install cupy-cuda12x "
+                "(or cupy-cuda11x) on a machine with NVIDIA GPUs, or use SHARDAX_BACKEND=torch"
+            )
+        _CUPY.append(CupyBackend(_torch(), _default_store))  # type: ignore[arg-type]
+    return _CUPY[0]
+
+
+_BACKENDS["cupy"] = _cupy
 
 
 def backend_names() -> tuple[str, ...]:
     """The backends this build knows.
 
     >>> backend_names()
-    ('torch', 'shm')
+    ('torch', 'shm', 'cupy')
     """
     return tuple(_BACKENDS)
 
 
 def _auto() -> str:
-    """``shm`` for CPU ranks when shared memory and the native core work
-    (groups spanning nodes still go through torch), else ``torch``."""
+    """``cupy`` for GPU ranks when CuPy's NCCL loads, else ``torch``; ``shm``
+    for CPU ranks when shared memory and the native core work (groups
+    spanning nodes still go through torch), else ``torch``."""
     import torch
 
     if torch.cuda.is_available():
-        return "torch"
+        from ._cupy_backend import cupy_available
+
+        return "cupy" if cupy_available()[0] else "torch"
     from ._shm_backend import shm_available
 
     return "shm" if shm_available()[0] else "torch"
@@ -212,8 +234,9 @@ def _auto() -> str:
 def get_backend(name: str | None = None) -> Backend:
     """The backend named ``name``; None → ``SHARDAX_BACKEND`` or automatic:
     ``shm`` (shared memory within a node, torch's gloo across nodes) for CPU
-    ranks when the native core builds, else ``torch`` (gloo on CPU, NCCL on
-    GPU).
+    ranks when the native core builds; ``cupy`` (NCCL communicators made by
+    CuPy) for GPU ranks when CuPy and libnccl load; else ``torch`` (gloo on
+    CPU, NCCL on GPU).
 
     >>> get_backend("torch").name
     'torch'

@@ -13,6 +13,11 @@ error. ``shardax report`` lists each library's status.
   pass over gradient, state and parameter (writing the update, or the new
   param and its bf16/fp16 copy), every leaf of a step in one call — used by
   :mod:`shardax.optim` for fp32 CPU state (:func:`shardax.optim.step`).
+- :mod:`shardax.kernels.cuda`: CUDA kernels compiled by NVRTC through CuPy
+  (``pip install 'shardax[gpu]'``) on first use — fused AdamW and Lion steps
+  (fp32, or fp32 master weights with their bf16/fp16 params in one pass) and
+  int8 blockwise quantization, each with a torch reference. Rendering the
+  sources needs neither CuPy nor a GPU.
 """
 
 from __future__ import annotations

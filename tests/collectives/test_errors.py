@@ -121,7 +121,7 @@ def test_a_misfit_out_names_this_ranks_result_shape():
 def test_unknown_backend_is_named(monkeypatch):
     monkeypatch.setenv("SHARDAX_BACKEND", "mpi")
     with pytest.raises(
-        CollectiveError, match=r"unknown collective backend 'mpi'.*\('torch', 'shm'\)"
+        CollectiveError, match=r"unknown collective backend 'mpi'.*\('torch', 'shm', 'cupy'\)"
     ):
         C.get_backend()
 

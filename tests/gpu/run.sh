@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPU suite (issue 8), for a machine with NVIDIA GPUs: installs the
+# project with its test and gpu extras (CuPy, NCCL), prints `shardax
+# report`, runs the GPU tests, then the CUDA AdamW benchmark. On a CPU host
+# the tests skip.
+#
+#   bash tests/gpu/run.sh                 # from the repository root
+set -euo pipefail
+python -m pip install -q -e ".[test,gpu]"
+shardax report
+python -m pytest -q tests/gpu tests/collectives/test_cupy.py tests/test_cuda_kernels.py "$@"
+# the fused AdamW kernel on 100M elements against torch's and a plain copy
+python benchmarks/optim.py --device cuda --numel 100000000 --reps 20 --json gpu-optim.json
