@@ -136,3 +136,15 @@ def test_import_and_report_work_without_cupy(tmp_path):
     assert done.returncode == 0, done.stderr
     cupy = json.loads(done.stdout.strip().splitlines()[-1])
     assert cupy["installed"] is False and "cupy" in cupy["why"]
+
+
+@pytest.mark.parametrize(("gpu", "cupy", "want"), [
+    (True, (True, ""), "cupy"),
+    (True, (False, "cannot import cupy.cuda.nccl"), "torch"),
+])  # fmt: skip
+def test_gpu_ranks_pick_cupy_where_it_loads_else_torch(monkeypatch, gpu, cupy, want):
+    from shardax.collectives import _cupy_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(_cupy_backend, "cupy_available", lambda: cupy)
+    assert _backend._auto() == want
