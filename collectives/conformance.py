@@ -41,7 +41,7 @@ def _value(rank: int, shape: Sequence[int], dtype: torch.dtype, salt: int) -> to
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float64).numpy()
+    return t.detach().to(torch.float64).cpu().numpy()
 
 
 def _check(name: str, actual: torch.Tensor, expected: np.ndarray, dtype: torch.dtype) -> None:
@@ -71,15 +71,17 @@ def axis_sets(mesh: object) -> list[tuple[str, ...]]:
 class _Ctx:
     """One check's view of the group: members, this rank's index, inputs."""
 
-    def __init__(self, mesh: object, axes: tuple[str, ...], dtype: torch.dtype, salt: int) -> None:
+    def __init__(self, mesh: object, axes: tuple[str, ...], dtype: torch.dtype, salt: int,
+                 device: torch.device | None = None) -> None:  # fmt: skip
         self.mesh, self.axes, self.dtype, self.salt = mesh, axes, dtype, salt
+        self.device = device or torch.device("cpu")
         self.members = mesh.ranks_along(axes)  # type: ignore[attr-defined]
         self.n = len(self.members)
         self.me = mesh.axis_index(axes)  # type: ignore[attr-defined]
         self.tag = f"{axes} {dtype} on {mesh!r} rank {mesh.rank}"  # type: ignore[attr-defined]
 
     def value(self, member: int, shape: Sequence[int], salt: int = 0) -> torch.Tensor:
-        return _value(self.members[member], shape, self.dtype, self.salt + salt)
+        return _value(self.members[member], shape, self.dtype, self.salt + salt).to(self.device)
 
     def mine(self, shape: Sequence[int]) -> torch.Tensor:
         x = self.value(self.me, shape)
@@ -91,7 +93,7 @@ class _Ctx:
         """Backprop member-specific cotangents through ``y``; return ``x.grad``
         and every member's cotangent (numpy)."""
         cots = [_np(self.value(m, out_shape_of(m), salt=1)) for m in range(self.n)]
-        y.backward(torch.from_numpy(cots[self.me]).to(self.dtype))
+        y.backward(torch.from_numpy(cots[self.me]).to(self.device, self.dtype))
         assert x.grad is not None
         return x.grad, cots
 
@@ -374,25 +376,29 @@ def run_check(
     mesh_shape: dict[str, int],
     dtypes: Sequence[torch.dtype] = DTYPES,
     timeout: float | None = None,
+    device: torch.device | None = None,
 ) -> int:
     """Run one check on every axis set of a mesh (with that collective
-    timeout) and every dtype (on every rank); return how many cases ran.
-    Raises AssertionError on a mismatch."""
+    timeout) and every dtype (on every rank), on tensors of ``device`` (CPU
+    by default; a GPU rank's own for the ``cupy`` and NCCL backends); return
+    how many cases ran. Raises AssertionError on a mismatch."""
     from ..mesh._mesh import Mesh
 
     mesh = Mesh(mesh_shape, timeout=timeout)
     cases = 0
     for i, axes in enumerate(axis_sets(mesh)):
         for j, dtype in enumerate(dtypes):
-            CHECKS[name](_Ctx(mesh, axes, dtype, salt=100 * i + j))
+            CHECKS[name](_Ctx(mesh, axes, dtype, salt=100 * i + j, device=device))
             cases += 1
     return cases
 
 
-def run_all(mesh: object, dtypes: Sequence[torch.dtype] = DTYPES) -> list[str]:
+def run_all(
+    mesh: object, dtypes: Sequence[torch.dtype] = DTYPES, device: torch.device | None = None
+) -> list[str]:
     """Every check on ``mesh``; the names that passed (all, or it raises)."""
     for name in CHECKS:
-        run_check(name, mesh.shape, dtypes)  # type: ignore[attr-defined]
+        run_check(name, mesh.shape, dtypes, device=device)  # type: ignore[attr-defined]
     return list(CHECKS)
 
 
@@ -419,12 +425,12 @@ def main() -> int:
     try:
         for shape in meshes_for(info.world_size):
             for name in CHECKS:
-                cases += run_check(name, shape)
+                cases += run_check(name, shape, device=info.device)  # a GPU rank's own GPU
         if info.rank == 0:
             names = ", ".join(str(Mesh(s)) for s in meshes_for(info.world_size))
             print(
                 f"conformance: {len(CHECKS)} checks, {cases} cases passed on {names} "
-                f"({info.world_size} ranks, backend {_backend_name()})",
+                f"({info.world_size} ranks on {info.device.type}, backend {_backend_name()})",
                 flush=True,
             )
     finally:

@@ -64,3 +64,13 @@ def test_the_handle_orders_the_callers_stream(one):
         handle = backend.all_reduce(x, "sum", group)
     handle.wait()  # the default stream now runs after the all-reduce
     assert float(x.sum()) == float(1 << 20)
+
+
+def test_the_conformance_suite_on_cuda_tensors_at_world_size_one():
+    """Every check of the suite on this GPU's tensors (collectives over one
+    rank are local; run.sh runs the suite over NCCL when there are more GPUs)."""
+    import shardax as sx
+    from shardax.collectives.conformance import CHECKS, run_all
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert len(run_all(sx.Mesh({"x": 1}), device=device)) == len(CHECKS)
