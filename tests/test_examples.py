@@ -41,7 +41,10 @@ def test_conformance_suite_on_four_ranks():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[rank 0] conformance: 11 checks" in done.stdout
     backend = sx.collectives.get_backend().name  # shm on a CPU machine with a compiler
-    assert f"Mesh({{'x': 4}}), Mesh({{'x': 2, 'y': 2}}) (4 ranks, backend {backend})" in done.stdout
+    assert (
+        f"Mesh({{'x': 4}}), Mesh({{'x': 2, 'y': 2}}) (4 ranks on cpu, backend {backend})"
+        in done.stdout
+    )
 
 
 def test_collectives_benchmark_smoke(tmp_path):
