@@ -169,11 +169,14 @@ class CupyBackend:
     def all_reduce_out(self, out: torch.Tensor, x: torch.Tensor, op: str, group: Group) -> Pending:
         if not self.covers(out, x):
             return self.fallback.all_reduce_out(out, x, op, group)
+        self._all_reduce(out, x, op, group)
+        return Pending([_Recorded()])
+
+    def _all_reduce(self, out: torch.Tensor, x: torch.Tensor, op: str, group: Group) -> None:
         self._comm(group).allReduce(
             x.data_ptr(), out.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], NCCL_OPS[op],
             self._stream(),
         )  # fmt: skip
-        return Pending([_Recorded()])
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
         if not self.covers(out, x):
@@ -246,8 +249,5 @@ class CupyBackend:
         if not torch.cuda.is_available():
             return self.fallback.barrier(group)
         one = torch.zeros(1, device=torch.cuda.current_device())
-        self._comm(group).allReduce(
-            one.data_ptr(), one.data_ptr(), 1, NCCL_DTYPES[one.dtype], NCCL_OPS["sum"],
-            self._stream(),
-        )  # fmt: skip
+        self._all_reduce(one, one, "sum", group)
         return Pending([_Recorded(host=True)])

@@ -196,11 +196,14 @@ def _cp(t: torch.Tensor) -> Any:
     return cupy.asarray(t)
 
 
-def _launch(kernel: Any, n: int, args: tuple) -> None:
+def _launch(kernel: Any, n: int, args: tuple, blocks: int | None = None) -> None:
+    """Launch on torch's current stream: 256 threads a block, ``blocks`` of
+    them (default: enough for ``n`` elements, capped; the kernels stride)."""
     import cupy
 
     threads = 256
-    blocks = max(1, min(math.ceil(n / threads), 65535 * 4))
+    if blocks is None:
+        blocks = max(1, min(math.ceil(n / threads), 65535 * 4))
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     with stream:
         kernel((blocks,), (threads,), args)
@@ -269,13 +272,10 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = max(1, math.ceil(n / QUANT_BLOCK))
     q = torch.empty(n, dtype=torch.int8, device=x.device)
     scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
-    import cupy
     import numpy as np
 
-    kernel = _kernel("quantize", dtype=_DTYPE_NAMES[x.dtype])
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    with stream:
-        kernel((blocks,), (QUANT_BLOCK,), (_cp(x.reshape(-1)), _cp(q), _cp(scales), np.int64(n)))
+    kernel = _kernel("quantize", dtype=_DTYPE_NAMES[x.dtype])  # one block of threads per block
+    _launch(kernel, n, (_cp(x.reshape(-1)), _cp(q), _cp(scales), np.int64(n)), blocks=blocks)
     return q, scales
 
 

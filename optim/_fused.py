@@ -135,11 +135,11 @@ class _Bound:
             return False
         p = _plain(leaves, flat, (torch.float32,))
         if p is None:  # the general path: relaid (a decay), or strided
-            if not _covered(leaves, (torch.float32,)):
-                return False
             if step and not laid_out_like(leaves, flat):
                 return False
-            p = [local(x) for x in flat.align_flat(leaves, params, "params")]
+            p = _locals(leaves, params, flat, (torch.float32,), "params")
+            if p is None:
+                return False
         self.p_leaves, self.p_spec, self.p = leaves, spec, p
         return True
 
@@ -304,11 +304,9 @@ class _Pass:
         g_leaves, g_spec = optree.tree_flatten(updates)
         if g_spec != flat.spec:
             return None
-        g = _plain(g_leaves, flat, grads)
+        g = _locals(g_leaves, updates, flat, grads, "updates", contiguous=True)
         if g is None:
-            if not _covered(g_leaves, grads):
-                return None
-            g = [local(x).contiguous() for x in flat.align_flat(g_leaves, updates, "updates")]
+            return None
         if shadows is not None and not all(
             t.dtype in _SHADOWS and t.is_contiguous() for t in shadows
         ):
@@ -361,6 +359,22 @@ class _Pass:
             for x, t in zip(self.bound.p_leaves, self.out, strict=True)
         ]
         return optree.tree_unflatten(self.bound.p_spec, rebuilt)
+
+
+def _locals(leaves: list, tree: Any, flat: Flat, dtypes: tuple[torch.dtype, ...], what: str,
+            contiguous: bool = False) -> list | None:  # fmt: skip
+    """The local tensors of ``leaves`` (flattened from ``tree``) aligned to
+    ``flat``: cheaply where they already are (:func:`_plain`), else through
+    :meth:`Flat.align_flat` (a relayout, the clear errors; ``contiguous``:
+    strided ones copied); None where a leaf is not a CPU tensor of one of
+    ``dtypes``."""
+    out = _plain(leaves, flat, dtypes)
+    if out is not None:
+        return out
+    if not _covered(leaves, dtypes):
+        return None
+    out = [local(x) for x in flat.align_flat(leaves, tree, what)]
+    return [x.contiguous() for x in out] if contiguous else out
 
 
 def _plain(leaves: list, flat: Flat, dtypes: tuple[torch.dtype, ...]) -> list | None:
