@@ -31,7 +31,13 @@ once per mode:
   parallelism is not expected to be faster;
 - ``shardax-ulysses``: ``sx.rules.ulysses`` over every rank (``sp`` =
   ``--nproc``): the shared global batch split over the sequence, all-to-alls
-  around attention, each rank's loss on its positions.
+  around attention, each rank's loss on its positions;
+- ``shardax3-unchecked``, ``shardax3-gloo``, ``shardax3-gloo-unchecked``:
+  ``shardax3`` without the collectives' signature check
+  (``SHARDAX_CHECK_COLLECTIVES=0``), on gloo instead of shared memory
+  (``SHARDAX_BACKEND=torch``), and both: the summary's
+  ``collective_check_cost`` is the step time the check costs on each
+  backend (unchecked tokens/s over checked, minus 1).
 
 Every (mode, repeat) runs in fresh rank processes started by ``shardax
 launch`` (peak RSS is a lifetime maximum), and modes are interleaved across
@@ -84,6 +90,16 @@ from shardax.launch import launch  # noqa: E402
 DATA = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 MICRO_BATCH = {"tiny": 8, "small": 8, "bench": 4, "wide": 2}
+# Modes that run another mode's step in another environment: the cost of the
+# collectives' signature check (docs/failure_modes.md), on shm and on gloo.
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "shardax3-unchecked": ("shardax3", {"SHARDAX_CHECK_COLLECTIVES": "0"}),
+    "shardax3-gloo": ("shardax3", {"SHARDAX_BACKEND": "torch"}),
+    "shardax3-gloo-unchecked": (
+        "shardax3",
+        {"SHARDAX_BACKEND": "torch", "SHARDAX_CHECK_COLLECTIVES": "0"},
+    ),
+}
 ALL_MODES = [
     "ddp",
     "fsdp2",
@@ -92,6 +108,7 @@ ALL_MODES = [
     "shardax-tp",
     "shardax-tp-sp",
     "shardax-ulysses",
+    *VARIANTS,
 ]
 ANCHORS = ["fsdp2", "deepspeed3", "deepspeed2"]
 LOSS_TOLERANCE = 1e-4
@@ -380,7 +397,7 @@ def worker(args: argparse.Namespace) -> int:
         shared=shared,
     )
     started = time.perf_counter()
-    step = setup(mode, cfg, args.seed, args.micro)
+    step = setup(VARIANTS.get(mode, (mode, {}))[0], cfg, args.seed, args.micro)
     build_s = time.perf_counter() - started
     losses = [step(*batch_at(i)) for i in range(args.warmup - 1)]
     with sx.collectives.traffic() as traffic:  # the last warm-up step's communication
@@ -452,6 +469,7 @@ def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
             if getattr(args, flag) is not None:
                 argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": "cpu"}
+        env.update(VARIANTS.get(mode, (mode, {}))[1])
         started = time.perf_counter()
         code = launch(
             argv, nproc_per_node=args.nproc, env=env, log_ranks=None if args.verbose else ()
@@ -487,6 +505,14 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
                 stats[f"tokens_per_s_vs_{anchor}"] = stats["tokens_per_s"] / base["tokens_per_s"]
                 stats[f"peak_rss_vs_{anchor}"] = stats["peak_rss_mib"] / base["peak_rss_mib"]
     summary: dict = {"summary": per_mode, "skipped": skipped}
+    costs = {}  # the signature check's share of a step, per backend
+    pairs = [("shardax3", "shardax3-unchecked"), ("shardax3-gloo", "shardax3-gloo-unchecked")]
+    for checked, unchecked in pairs:
+        if checked in per_mode and unchecked in per_mode:
+            ratio = per_mode[unchecked]["tokens_per_s"] / per_mode[checked]["tokens_per_s"]
+            costs[checked] = {"step_time_cost": ratio - 1.0}
+    if costs:
+        summary["collective_check_cost"] = costs
     failed = sorted({r["mode"] for r in rows if "error" in r})
     if failed:
         summary["failed"] = failed
@@ -506,11 +532,11 @@ def print_table(summary: dict, file=sys.stderr) -> None:
     """The summary, readable."""
     anchors = [a for a in ANCHORS if a in summary["summary"]]
     short = {"fsdp2": "fsdp2", "deepspeed3": "ds3", "deepspeed2": "ds2"}
-    head = f"{'mode':<12}{'tokens/s':>10}{'step ms':>9}{'peak MiB':>10}{'first loss':>12}"
+    head = f"{'mode':<24}{'tokens/s':>10}{'step ms':>9}{'peak MiB':>10}{'first loss':>12}"
     head += "".join(f"{'tok/s/' + short[a]:>13}{'rss/' + short[a]:>11}" for a in anchors)
     print(head, file=file)
     for mode, s in summary["summary"].items():
-        line = f"{mode:<12}{s['tokens_per_s']:>10.0f}{s['step_s'] * 1e3:>9.1f}"
+        line = f"{mode:<24}{s['tokens_per_s']:>10.0f}{s['step_s'] * 1e3:>9.1f}"
         line += f"{s['peak_rss_mib']:>10.0f}{s['first_loss']:>12.5f}"
         for a in anchors:
             line += f"{s[f'tokens_per_s_vs_{a}']:>13.2f}{s[f'peak_rss_vs_{a}']:>11.2f}"

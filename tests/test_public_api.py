@@ -17,6 +17,7 @@ SURFACE = {
         "AbstractMesh",
         "CheckpointError",
         "CollectiveError",
+        "CollectiveMismatchError",
         "CollectiveTimeoutError",
         "ConfigError",
         "Layout",
@@ -240,6 +241,7 @@ SURFACE = {
     "shardax.errors": [
         "CheckpointError",
         "CollectiveError",
+        "CollectiveMismatchError",
         "CollectiveTimeoutError",
         "ConfigError",
         "LaunchError",

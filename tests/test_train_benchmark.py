@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_MODES = {"ddp", "fsdp2", "shardax0", "shardax1", "shardax2", "shardax3"}
 SMOKE_MODES |= {"shardax-tp", "shardax-tp-sp", "shardax-ulysses"}
+SMOKE_MODES |= {"shardax3-unchecked", "shardax3-gloo", "shardax3-gloo-unchecked"}
 
 
 def test_gpt_docstring_examples():
@@ -31,7 +32,7 @@ def test_train_benchmark_smoke(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=400,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
@@ -63,5 +64,9 @@ def test_train_benchmark_smoke(tmp_path):
     assert "warning" not in summary, summary["warning"]
     assert summary["first_loss_spread"] <= 1e-4
     assert stats["fsdp2"]["tokens_per_s_vs_fsdp2"] == 1.0
+    assert set(summary["collective_check_cost"]) == {"shardax3", "shardax3-gloo"}
+    # the variants train the same model the same way: the same losses
+    for variant in ("shardax3-unchecked", "shardax3-gloo", "shardax3-gloo-unchecked"):
+        assert stats[variant]["first_loss"] == stats["shardax3"]["first_loss"], variant
     result = json.loads(out.read_text())
     assert result["summary"] == stats and len(result["runs"]) == len(rows)

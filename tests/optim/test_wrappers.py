@@ -296,7 +296,13 @@ def test_mixed_dtypes_are_grouped_and_each_leaf_kept_in_its_own(make):
             u, s = o.update({k: g[k]}, s, {k: params[k]})
             solo[k] = (o, s)
             assert updates[k].dtype == dtypes[k]
-            assert torch.equal(updates[k], u[k]), (step, k)
+            # Same formula, but grouped leaves go through torch's foreach kernels
+            # and a lone leaf through the plain ones, whose vectorisation (and
+            # fused multiply-adds) differ by CPU: the update's ~8 roundings may
+            # differ by an ulp each, so 8 ulps of the leaf's dtype, relative
+            # (and absolute at the scale of the learning rate, for updates near 0).
+            eps = torch.finfo(dtypes[k]).eps
+            torch.testing.assert_close(updates[k], u[k], rtol=8 * eps, atol=8 * eps * 1e-2)
         params = optim.apply_updates(params, updates)
 
 

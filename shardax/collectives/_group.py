@@ -20,13 +20,16 @@ class PGState:
     tells which ranks reached it.
     """
 
-    __slots__ = ("backend", "pg", "ranks", "seq", "timeout")
+    __slots__ = ("backend", "check", "pg", "ranks", "seq", "timeout")
 
-    def __init__(self, pg: Any, ranks: tuple[int, ...], timeout: float, backend: Any) -> None:
+    def __init__(
+        self, pg: Any, ranks: tuple[int, ...], timeout: float, backend: Any, check: bool = True
+    ) -> None:
         self.pg = pg
         self.ranks = ranks  # sorted global ranks: torch's group rank order
         self.timeout = timeout
         self.backend = backend  # chosen once, when the group is made
+        self.check = check  # collectives compare their signatures first (``_agree``)
         self.seq = 0
 
 

@@ -23,6 +23,7 @@ from . import optim as optim
 from . import rules as rules
 from .errors import CheckpointError as CheckpointError
 from .errors import CollectiveError as CollectiveError
+from .errors import CollectiveMismatchError as CollectiveMismatchError
 from .errors import CollectiveTimeoutError as CollectiveTimeoutError
 from .errors import ConfigError as ConfigError
 from .errors import LaunchError as LaunchError
@@ -63,6 +64,7 @@ __all__ = [
     "AbstractMesh",
     "CheckpointError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Layout",
     "ConfigError",

@@ -11,11 +11,12 @@ order) is handled here by permuting chunks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ._agree import Call, agree
 from ._backend import Pending
 from ._group import Group
 
@@ -122,6 +123,12 @@ class TorchBackend:
 
     def barrier(self, group: Group) -> Pending:
         return Pending([dist.barrier(group=group.pg, async_op=True)])
+
+    def agreed(
+        self, sig: torch.Tensor, call: Call, group: Group, issue: Callable[[], Pending]
+    ) -> Pending:
+        agree(self, sig, call, group)  # blocking: gloo aborts on buffers that do not fit
+        return issue()
 
 
 def _backend_name(group: Group) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
     "LaunchError",
@@ -44,6 +45,14 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
     The message names the op, the mesh axes, the ranks of the group, and which
     of them did not arrive.
     """
+
+
+class CollectiveMismatchError(CollectiveError):
+    """The ranks of a group issued collectives that do not fit each other: a
+    different op or reduction, dtype, element count, axes or collective
+    number (a rank skipped one). Raised on every rank of the group before any
+    data moves; the message names each rank's op, dtype, shape, axes and,
+    where known, the key path being moved."""
 
 
 class CheckpointError(ValueError):

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from . import _hierarchical
+from ._agree import WIDTH, splits_row, verify, verify_splits
 from ._backend import Pending
 from ._group import Group
 
@@ -310,6 +311,7 @@ class ShmBackend:
         self.segments: dict[tuple[int, ...], _Segment | None] = {}
         self.hierarchies: dict[tuple[int, ...], _hierarchical.Hierarchy] = {}
         self._worker = _Worker()
+        self._gates = threading.local()  # a signature check waiting for its collective
 
     # -- setup (collective among the group's members) --------------------------
 
@@ -423,14 +425,69 @@ class ShmBackend:
     def _submit(
         self, seg: _Segment, group: Group, what: str, call: Callable[[], int], *keep: Any
     ) -> Pending:
-        """Queue ``call`` (a native collective on ``seg``) for the worker."""
+        """Queue ``call`` (a native collective on ``seg``) for the worker,
+        after the signature check :meth:`agreed` left for it, if any."""
         timeout_us = int((group.state.timeout if group.state else 600.0) * 1e6)
+        gate = self._take_gate()
 
         def run() -> None:
             seg.control.timeout_us = timeout_us
+            if gate is not None:
+                gate()
             _check(call(), seg, group, what)
 
         return self._worker.submit(run, keep)
+
+    # -- agreement (``_agree``): a tiny all-gather of signatures on the worker ---------
+
+    def agreed(
+        self, sig: torch.Tensor, call: Any, group: Group, issue: Callable[[], Pending]
+    ) -> Pending:
+        """The signatures go through the group's segment on the worker, in
+        issue order and without blocking the caller; the collective runs
+        after them in the same work, or not at all. A collective that the
+        core does not take (another dtype, a group spanning nodes) waits
+        for the check here before going to the fallback."""
+        seg = self._segment(group)
+        if seg is None:
+            return self.fallback.agreed(sig, call, group, issue)
+        table = sig.new_empty((group.size, WIDTH))
+        sent = splits_row(call, group.size, sig.device)
+        splits = sig.new_empty((group.size, sent.numel()))
+        lib, rows = _lib(), self._rows(group)
+
+        def gate() -> None:
+            code = lib.sx_all_gather(
+                seg.ref, table.data_ptr(), sig.data_ptr(), sig.numel() * 8, rows
+            )
+            _check(code, seg, group, "signature check")
+            verify(table, group, sig)
+            if call.call == "all_to_all":
+                code = lib.sx_all_gather(
+                    seg.ref, splits.data_ptr(), sent.data_ptr(), sent.numel() * 8, rows
+                )
+                _check(code, seg, group, "all_to_all size check")
+                verify_splits(splits, group)
+
+        self._gates.gate = (gate, seg, group, (table, splits, sent, rows))
+        try:
+            return issue()
+        finally:
+            self._gates.gate = None
+
+    def _take_gate(self) -> Callable[[], None] | None:
+        held = getattr(self._gates, "gate", None)
+        self._gates.gate = None
+        return None if held is None else held[0]
+
+    def _fallback(self) -> Any:
+        """The fallback, once a pending signature check (if any) has passed:
+        its calls must not start before the check, which they would outrun."""
+        held = getattr(self._gates, "gate", None)
+        if held is not None:
+            _, seg, group, keep = held
+            self._submit(seg, group, "signature check", lambda: 0, *keep).wait()  # takes the gate
+        return self.fallback
 
     @staticmethod
     def _rows(group: Group) -> Any:
@@ -451,7 +508,7 @@ class ShmBackend:
             hier = self._hierarchy(group, out, x, op=op)
             if hier is not None:
                 return _hierarchical.all_reduce(self, hier, out, x, op, group)
-            return self.fallback.all_reduce_out(out, x, op, group)
+            return self._fallback().all_reduce_out(out, x, op, group)
         lib, count, dtype = _lib(), x.numel(), _DTYPES[x.dtype]
         return self._submit(
             seg, group, "all_reduce",
@@ -462,7 +519,7 @@ class ShmBackend:
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
         seg = self._usable(group, out, x)
         if seg is None:
-            return self.fallback.all_gather(out, x, group)
+            return self._fallback().all_gather(out, x, group)
         lib, rows, nbytes = _lib(), self._rows(group), x.numel() * x.element_size()
         return self._submit(
             seg, group, "all_gather",
@@ -473,7 +530,7 @@ class ShmBackend:
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
         seg = self._usable(group, out, x)
         if seg is None:
-            return self.fallback.reduce_scatter(out, x, group)
+            return self._fallback().reduce_scatter(out, x, group)
         lib, rows, count, dtype = _lib(), self._rows(group), out.numel(), _DTYPES[x.dtype]
         return self._submit(
             seg, group, "reduce_scatter",
@@ -492,7 +549,7 @@ class ShmBackend:
     ) -> Pending:
         seg = self._usable(group, out, x)
         if seg is None:
-            return self.fallback.all_to_all(out, x, out_splits, in_splits, group)
+            return self._fallback().all_to_all(out, x, out_splits, in_splits, group)
         n, size = group.size, x.element_size()
         arrays = [[0] * n for _ in range(4)]  # send_off, send_len, recv_off, recv_len by segment
         sent = received = 0
@@ -524,7 +581,7 @@ class ShmBackend:
     def broadcast(self, x: torch.Tensor, root: int, group: Group) -> Pending:
         seg = self._usable(group, x)
         if seg is None:
-            return self.fallback.broadcast(x, root, group)
+            return self._fallback().broadcast(x, root, group)
         lib, nbytes, r = _lib(), x.numel() * x.element_size(), group.torch_rank(root)
         return self._submit(
             seg, group, "broadcast", lambda: lib.sx_broadcast(seg.ref, x.data_ptr(), nbytes, r), x
@@ -536,11 +593,11 @@ class ShmBackend:
         recvs: Sequence[tuple[int, torch.Tensor]],
         group: Group,
     ) -> Pending:
-        return self.fallback.send_recv(sends, recvs, group)
+        return self._fallback().send_recv(sends, recvs, group)
 
     def barrier(self, group: Group) -> Pending:
         seg = self._segment(group)
         if seg is None:
-            return self.fallback.barrier(group)
+            return self._fallback().barrier(group)
         lib = _lib()
         return self._submit(seg, group, "barrier", lambda: lib.sx_barrier(seg.ref))

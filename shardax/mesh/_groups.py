@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..collectives._agree import checks_enabled
 from ..collectives._backend import get_backend
 from ..collectives._group import Group, PGState
 from ..errors import MeshError
@@ -88,7 +89,8 @@ def create_groups(mesh: Mesh) -> None:
                         ) from err
                     if block == mine:
                         pg = made
-            cache[key] = PGState(pg, mine, timeout, backend)
+            transport = str(dist.get_backend(pg)) if backend.name == "torch" else backend.name
+            cache[key] = PGState(pg, mine, timeout, backend, checks_enabled(transport))
             attach = getattr(backend, "attach", None)
             if attach is not None:  # the shm backend maps the group's segment
                 attach(cache[key], dist.distributed_c10d._get_default_store())

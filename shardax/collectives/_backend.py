@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import CollectiveError
+from ._agree import Call, describe, signature
 from ._group import Group, translate_error
 from ._traffic import counting, timed
 
@@ -94,6 +95,16 @@ class Backend(Protocol):
         """Every member arrives before any leaves."""
         ...
 
+    def agreed(
+        self, sig: torch.Tensor, call: Call, group: Group, issue: Callable[[], Pending]
+    ) -> Pending:
+        """``issue()`` (the collective ``call``), once every member's
+        signature ``sig`` agrees with this one's (:mod:`._agree`); a mismatch
+        raises :class:`~shardax.errors.CollectiveMismatchError` on every
+        member — here or from the returned work's ``wait()`` — and ``issue``
+        never moves data."""
+        ...
+
 
 class Handle:
     """A collective in flight. ``wait()`` finishes it and returns its result.
@@ -130,6 +141,8 @@ class Handle:
                 for work in self._pending.works:
                     try:
                         work.wait()
+                    except CollectiveError:
+                        raise
                     except Exception as err:
                         assert self._group is not None
                         raise translate_error(self._group, self._op, self._seq, err) from err
@@ -146,13 +159,27 @@ def start(
     op: str,
     launch: Callable[[Backend], Pending],
     finish: Callable[[], Any],
+    shape: Sequence[int] | None = None,
 ) -> Handle:
-    """Issue one backend collective on ``group`` and return its handle."""
+    """Issue one backend collective on ``group`` and return its handle.
+
+    ``launch`` makes exactly one call, on the backend it is given (it runs
+    twice: once against a recorder, which issues nothing). Where the group checks its
+    collectives (:mod:`._agree`), the call is first recorded and its
+    signature agreed across the group; ``shape`` (the user's tensor shape)
+    only serves the messages."""
     state = group.state
     assert state is not None, "size-1 groups never reach a backend"
     seq = state.seq
     state.seq += 1
     try:
+        if state.check:
+            call = describe(launch)
+            if call.call != "send_recv":  # point to point: not every member takes part
+                sig = signature(group, op, seq, call, shape)
+                backend = counting(state.backend, group, op)
+                pending = state.backend.agreed(sig, call, group, lambda: launch(backend))
+                return Handle(group, op, seq, pending, timed(finish, group, op))
         pending = launch(counting(state.backend, group, op))
     except CollectiveError:
         raise

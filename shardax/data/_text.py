@@ -174,11 +174,16 @@ class TextDataset:
         """
         import shardax
 
-        path = Path(shardax.__file__).resolve().parent / "examples" / "data" / "tinyshakespeare.txt"
+        path = (
+            Path(shardax.__file__).resolve().parents[1]
+            / "examples"
+            / "data"
+            / "tinyshakespeare.txt"
+        )
         if not path.is_file():
             raise FileNotFoundError(
-                f"tinyshakespeare.txt is not at {path} (looked in examples/data/ beside the shardax "
-                "package, which is the repository root in a source checkout); install shardax "
+                f"tinyshakespeare.txt is not at {path} (looked in examples/data/ of the repository "
+                "that holds the shardax package, as in a source checkout); install shardax "
                 "from its repository (pip install -e .), or pass the file yourself: "
                 "TextDataset.from_file(path, seq_len)"
             )

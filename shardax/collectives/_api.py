@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, CollectiveMismatchError
 from ..mesh import _context
 from ._backend import Handle
 from ._group import Group
@@ -141,7 +141,7 @@ def _exchange(x: torch.Tensor, dim: int, group: Group, what: str) -> tuple[int, 
     rows = AllGather(group, 0, (1,) * group.size).run(t[None]).tolist()
     if any(r[1:] != rows[0][1:] for r in rows):
         shapes = {group.members[i]: (tuple(r[3 : 3 + r[2]]), r[1]) for i, r in enumerate(rows)}
-        raise CollectiveError(
+        raise CollectiveMismatchError(
             f"{what} over {group.label}: the ranks disagree on dtype or on dims other than dim "
             f"{dim} (rank: (shape with -1 at dim {dim}, dtype hash)): {shapes}; rank "
             f"{group.rank} has {x.dtype}"

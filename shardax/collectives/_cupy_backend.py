@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CollectiveError
+from ._agree import Call, agree
 from ._backend import Pending
 from ._group import Group
 
@@ -251,3 +252,11 @@ class CupyBackend:
         one = torch.zeros(1, device=torch.cuda.current_device())
         self._all_reduce(one, one, "sum", group)
         return Pending([_Recorded(host=True)])
+
+    def agreed(
+        self, sig: torch.Tensor, call: Call, group: Group, issue: Callable[[], Pending]
+    ) -> Pending:
+        """Off by default on GPU transports (``SHARDAX_CHECK_COLLECTIVES=1``
+        turns it on): the exchange waits for the host."""
+        agree(self, sig, call, group)
+        return issue()
