@@ -580,7 +580,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.preset, args.steps, args.repeats, args.nproc = "tiny", 2, 1, 2
         if args.modes is None:
-            args.modes = "ddp,fsdp2,shardax0,shardax1,shardax2,shardax3,shardax-tp,shardax-tp-sp,shardax-ulysses"
+            args.modes = ",".join(m for m in ALL_MODES if not m.startswith("deepspeed"))
     if args.micro is None:
         args.micro = MICRO_BATCH[args.preset]
     if args.threads is None:

@@ -92,27 +92,29 @@ def evaluate(model: GPT, params: dict, batches: list[dict], mesh: sx.Mesh) -> fl
     return float(sx.collectives.pmean(total / len(batches), "dp", mesh=mesh))
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written; every option with its default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
     parser.add_argument("--config", type=Path, help="a run config (hjson); flags override it")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size")
     parser.add_argument("--zero", type=int, choices=range(4), default=3, help="ZeRO stage")
     parser.add_argument("--mesh", type=parse_mesh, default={"dp": -1}, help="e.g. dp=-1")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument(
-        "--warmup", type=int, help="linear warmup steps (default: 10%% of --steps, at most 30)"
+        "--warmup", type=int, help="linear warmup steps (%(default)s: 10%% of --steps, at most 30)"
     )
-    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     parser.add_argument("--clip", type=float, default=1.0, help="global grad norm (0: off)")
-    parser.add_argument("--precision", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--precision", choices=sorted(DTYPES), default="fp32", help="param dtype")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=16, help="global, over the dp axis")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="init and data order")
+    parser.add_argument("--log-every", type=int, default=25, help="steps between loss lines")
+    parser.add_argument("--eval-batches", type=int, default=8, help="validation batches")
     parser.add_argument(
         "--out",
         type=Path,
@@ -129,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--metrics", type=Path, help="append each step's loss and lr as JSON lines (rank 0)"
     )
-    parser.add_argument("--sample-tokens", type=int, default=200)
-    parser.add_argument("--prompt", default="ROMEO:")
+    parser.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate")
+    parser.add_argument("--prompt", default="ROMEO:", help="the sample's prompt")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (or SHARDAX_DEBUG=1)"
+    )
     return parser
 
 
@@ -339,5 +344,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: Sequence[str] | None = None) -> int:
+    """``main``, with a bad setting (a typed shardax error) shown as one line
+    and exit status 2, as argparse does for its own errors."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return main(argv)
+    except sx.errors.USER_ERRORS as err:
+        if "--debug" in argv or sx.errors.debugging():
+            raise
+        print(f"train_gpt.py: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -9,17 +9,50 @@ True
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import click
 
+from ._bad_setting import BadSetting
 from .ckpt._cli import ckpt_command
 from .config import _config_cli
+from .errors import USER_ERRORS, debugging
 from .launch._cli import launch_command
 
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """The ``shardax`` group: a typed shardax error from any command prints
+    its message as a bad setting does (``Error: MeshError: ...``, exit
+    status 2), with no traceback unless ``--debug`` or ``SHARDAX_DEBUG=1``."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as err:
+            if ctx.meta.get("shardax.debug") or debugging():
+                raise
+            raise BadSetting(f"{type(err).__name__}: {err}") from None
+
+
+def _debug(ctx: click.Context, _param: Any, value: bool) -> bool:
+    ctx.meta["shardax.debug"] = value
+    if value:
+        os.environ["SHARDAX_DEBUG"] = "1"  # launched ranks show tracebacks too
+    return value
+
+
+@click.group(
+    cls=_Main,
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+)
 @click.version_option(package_name="shardax")
+@click.option(
+    "--debug", is_flag=True, expose_value=False, is_eager=True, callback=_debug,
+    help="Show the Python traceback of an error (also SHARDAX_DEBUG=1).",
+)  # fmt: skip
 def main() -> None:
     """shardax: JAX-style functional sharding for PyTorch."""
 

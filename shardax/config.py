@@ -851,6 +851,8 @@ def _load_model(spec: str) -> Any:
 def _config_cli() -> Any:
     import click
 
+    from ._bad_setting import BadSetting
+
     @click.group("config")
     def config_command() -> None:
         """Check run configs and convert DeepSpeed ones."""
@@ -874,7 +876,7 @@ def _config_cli() -> Any:
                 mesh = config.abstract_mesh(world_size)
                 click.echo(str(explain(params_of(built), mesh, config.make_rules())))
         except ConfigError as err:
-            raise click.ClickException(str(err)) from None
+            raise BadSetting(str(err)) from None
 
     @config_command.command("from-deepspeed")
     @click.argument("path", type=click.Path(dir_okay=False))
@@ -888,14 +890,14 @@ def _config_cli() -> Any:
         try:
             ds = json.loads(Path(path).read_text())
         except (OSError, ValueError) as err:
-            raise click.ClickException(f"cannot read DeepSpeed config {path!r}: {err}") from None
+            raise BadSetting(f"cannot read DeepSpeed config {path!r}: {err}") from None
         if not isinstance(ds, dict):
-            raise click.ClickException(f"{path!r} is not a JSON object")
+            raise BadSetting(f"{path!r} is not a JSON object")
         data, unmapped = from_deepspeed(ds)
         try:
             RunConfig.from_dict(data, path)  # the result must be a valid config
         except ConfigError as err:
-            raise click.ClickException(f"the converted config is invalid: {err}") from None
+            raise BadSetting(f"the converted config is invalid: {err}") from None
         text = to_hjson(data, unmapped, path)
         if output is None:
             click.echo(text, nl=False)

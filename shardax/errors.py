@@ -13,6 +13,8 @@ MeshError
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "CheckpointError",
     "CollectiveError",
@@ -22,6 +24,8 @@ __all__ = [
     "LaunchError",
     "MeshError",
     "ShardingError",
+    "USER_ERRORS",
+    "debugging",
 ]
 
 
@@ -70,3 +74,21 @@ class ConfigError(ValueError):
     """A run config that cannot be used as written: an unknown key (named
     with its section and the keys allowed there), a bad value, batch sizes
     that do not add up (all three named with the data-parallel size)."""
+
+
+USER_ERRORS = (
+    ShardingError, MeshError, CollectiveError, CheckpointError, LaunchError, ConfigError,
+)  # fmt: skip
+"""The typed errors that say what was wrong with a setting or an input (a
+command line shows their message, not a traceback)."""
+
+
+def debugging() -> bool:
+    """Whether ``SHARDAX_DEBUG`` asks for tracebacks (anything but unset, ``0``
+    or empty).
+
+    >>> import os
+    >>> debugging() == (os.environ.get("SHARDAX_DEBUG", "0") not in ("", "0"))
+    True
+    """
+    return os.environ.get("SHARDAX_DEBUG", "0") not in ("", "0")

@@ -270,7 +270,7 @@ def test_config_cli(tmp_path):
     bad = tmp_path / "bad.hjson"
     bad.write_text("batch: {global: 10, micro: 3, accumulation: 1}\n")
     result = CliRunner().invoke(main, ["config", "check", str(bad), "--world-size", "2"])
-    assert result.exit_code == 1 and "global 10 != micro 3 x accumulation 1" in result.output
+    assert result.exit_code == 2 and "global 10 != micro 3 x accumulation 1" in result.output
     model = "examples/gpt.py:small"
     result = CliRunner().invoke(main, ["config", "check", str(out), "--model", str(ROOT / model)])
     assert result.exit_code == 0, result.output

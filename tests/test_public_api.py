@@ -149,6 +149,7 @@ SURFACE = {
         "chunk_sizes",
         "count_once",
         "get_backend",
+        "moving",
         "pmax",
         "pmean",
         "pmin",
@@ -247,12 +248,14 @@ SURFACE = {
         "LaunchError",
         "MeshError",
         "ShardingError",
+        "USER_ERRORS",
+        "debugging",
     ],
     "shardax.launch": ["LaunchSpec", "free_port", "launch", "rank_command", "rank_env"],
 }
 
 CLI = {
-    "shardax": ["--version"],
+    "shardax": ["--debug", "--version"],
     "shardax ckpt": [],
     "shardax config": [],
     "shardax config check": ["--model", "--world-size"],

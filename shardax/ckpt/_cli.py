@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 
+from .._bad_setting import BadSetting
 from ..errors import CheckpointError, MeshError, ShardingError
 from ..mesh._mesh import AbstractMesh
 from ..shard._rules import Rule, Rules
@@ -129,7 +130,7 @@ def _bar(total: int, label: str, quiet: bool) -> Iterator[Callable[[int], None]]
 
 
 def _fail(e: Exception) -> None:
-    raise click.ClickException(str(e))
+    raise BadSetting(str(e))
 
 
 def _human(n: float) -> str:
@@ -152,7 +153,7 @@ _COMMON = dict(
 )
 
 
-@click.group("ckpt", context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("ckpt", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def ckpt_command() -> None:
     """Inspect, verify, reshard, consolidate and import sharded checkpoints.
 
@@ -323,7 +324,7 @@ def _check_dst(dst: str, force: bool, *, directory: bool = True) -> None:
     if not path.exists():
         return
     if not force:
-        raise click.ClickException(f"{dst} exists; pass --force to replace it")
+        raise BadSetting(f"{dst} exists; pass --force to replace it")
     try:
         if directory:
             check_replaceable(path.absolute())

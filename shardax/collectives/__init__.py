@@ -11,6 +11,7 @@ communicators made by CuPy) for GPU ranks where CuPy loads.
 ``SHARDAX_BACKEND`` chooses.
 """
 
+from ._agree import moving as moving
 from ._api import AsyncResult as AsyncResult
 from ._api import all_gather as all_gather
 from ._api import all_to_all as all_to_all
@@ -53,6 +54,7 @@ __all__ = [
     "chunk_sizes",
     "count_once",
     "get_backend",
+    "moving",
     "pmax",
     "pmean",
     "pmin",

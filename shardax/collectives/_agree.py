@@ -57,8 +57,8 @@ from ..errors import CollectiveError, CollectiveMismatchError
 from ._group import Group
 
 __all__ = [
-    "WIDTH", "Call", "agree", "checks_enabled", "describe", "moving", "signature", "splits_row",
-    "verify", "verify_splits",
+    "WIDTH", "Call", "agree", "checks_enabled", "describe", "moving", "moving_now", "signature",
+    "splits_row", "verify", "verify_splits",
 ]  # fmt: skip
 
 WIDTH = 16  # int64 per member
@@ -97,6 +97,11 @@ def moving(what: str) -> Iterator[None]:
         yield
     finally:
         _MOVING.reset(token)
+
+
+def moving_now() -> str:
+    """What the collectives issued here move (:func:`moving`), or ""."""
+    return _MOVING.get()
 
 
 def checks_enabled(transport: str) -> bool:
@@ -252,15 +257,16 @@ def _render(row: Sequence[int], axes: dict[int, str], whats: dict[int, str]) -> 
     return text
 
 
-def verify(table: torch.Tensor, group: Group, mine: torch.Tensor) -> None:
+def verify(table: torch.Tensor, group: Group, mine: torch.Tensor, what: str = "") -> None:
     """Raise :class:`CollectiveMismatchError` unless every member's row of
-    ``table`` (``[n, WIDTH]``, member order) agrees with this one's."""
+    ``table`` (``[n, WIDTH]``, member order) agrees with this one's.
+    ``what``: what this member's collective moves (:func:`moving`, taken
+    when it was issued: this may run on a backend's worker thread)."""
     rows = table.cpu().tolist()
     me = rows[group.index]
     if all(all(r[i] == me[i] for i in _AGREED) for r in rows):
         return
     axes = {_crc(",".join(group.axes)): "/".join(group.axes) or "()"}
-    what = _MOVING.get()
     whats = {_crc(what): what} if what else {}
     lines = [
         f"  rank {rank}{' (this rank)' if i == group.index else ''}: {_render(r, axes, whats)}"
@@ -277,7 +283,7 @@ def verify(table: torch.Tensor, group: Group, mine: torch.Tensor) -> None:
     )
 
 
-def verify_splits(table: torch.Tensor, group: Group) -> None:
+def verify_splits(table: torch.Tensor, group: Group, what: str = "") -> None:
     """``table[j]``: what member ``j`` sends to each member, then what it
     expects from each (``2n`` int64); every member checks every pair, so all
     of them raise on a misfit anywhere."""
@@ -295,7 +301,6 @@ def verify_splits(table: torch.Tensor, group: Group) -> None:
             f"which expects {e}"
             for i, j, s, e in bad
         )
-        what = _MOVING.get()
         raise CollectiveMismatchError(
             f"all_to_all over {group.label}"
             + (f" moving {what}" if what else "")
@@ -315,10 +320,11 @@ def agree(backend: Any, sig: torch.Tensor, call: Call, group: Group) -> None:
     """Exchange ``sig`` through ``backend`` (blocking) and verify it; an
     all-to-all then exchanges and verifies its splits."""
     table = sig.new_empty((group.size, WIDTH))
+    what = _MOVING.get()
     backend.all_gather(table.view(-1), sig, group).wait()
-    verify(table, group, sig)
+    verify(table, group, sig, what)
     if call.call == "all_to_all":
         sent = splits_row(call, group.size, sig.device)
         splits = sent.new_empty((group.size, sent.numel()))
         backend.all_gather(splits.view(-1), sent, group).wait()
-        verify_splits(splits, group)
+        verify_splits(splits, group, what)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import CollectiveError
-from ._agree import Call, describe, signature
+from ._agree import Call, describe, moving_now, signature
 from ._group import Group, translate_error
 from ._traffic import counting, timed
 
@@ -179,13 +179,19 @@ def start(
                 sig = signature(group, op, seq, call, shape)
                 backend = counting(state.backend, group, op)
                 pending = state.backend.agreed(sig, call, group, lambda: launch(backend))
-                return Handle(group, op, seq, pending, timed(finish, group, op))
+                return Handle(group, _label(op), seq, pending, timed(finish, group, op))
         pending = launch(counting(state.backend, group, op))
     except CollectiveError:
         raise
     except Exception as err:
-        raise translate_error(group, op, seq, err) from err
-    return Handle(group, op, seq, pending, timed(finish, group, op))
+        raise translate_error(group, _label(op), seq, err) from err
+    return Handle(group, _label(op), seq, pending, timed(finish, group, op))
+
+
+def _label(op: str) -> str:
+    """``op`` as errors name it: with what it moves, where known."""
+    what = moving_now()
+    return f"{op} (moving {what})" if what else op
 
 
 _BACKENDS: dict[str, Callable[[], Backend]] = {}

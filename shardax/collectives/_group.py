@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import CollectiveError, CollectiveTimeoutError
 
-__all__ = ["Group", "PGState"]
+__all__ = ["Group", "PGState", "arrival_grace"]
 
 
 class PGState:
@@ -21,6 +21,13 @@ class PGState:
     """
 
     __slots__ = ("backend", "check", "pg", "ranks", "seq", "timeout")
+
+    @property
+    def wait(self) -> float:
+        """How long the transport waits before it gives up: the timeout less
+        the :func:`arrival_grace` spent finding out who did not arrive, so
+        that the error comes within the timeout."""
+        return self.timeout - arrival_grace(self.timeout)
 
     def __init__(
         self, pg: Any, ranks: tuple[int, ...], timeout: float, backend: Any, check: bool = True
@@ -88,6 +95,16 @@ class Group:
         return f"<Group {self.label} members={self.members} index={self.index}>"
 
 
+def arrival_grace(timeout: float) -> float:
+    """Seconds of a collective's ``timeout`` kept for naming the ranks that
+    did not arrive (through the store) once the transport gave up.
+
+    >>> arrival_grace(2.0), arrival_grace(600.0)
+    (0.4, 5.0)
+    """
+    return min(5.0, 0.2 * timeout)
+
+
 def _store() -> Any:
     try:
         from torch.distributed import distributed_c10d
@@ -108,7 +125,7 @@ def translate_error(group: Group, op: str, seq: int, err: BaseException) -> Coll
     not arrive."""
     where = f"{op} over {group.label} (collective #{seq} on ranks {list(group.members)})"
     timeout = group.state.timeout if group.state else 0.0
-    grace = min(5.0, max(timeout, 0.5))
+    grace = max(arrival_grace(timeout), 0.1)
     if not _is_timeout(err):
         if _is_peer_closed(err):
             # A peer that timed out on this collective, or died (its node's

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from . import _hierarchical
-from ._agree import WIDTH, splits_row, verify, verify_splits
+from ._agree import WIDTH, moving_now, splits_row, verify, verify_splits
 from ._backend import Pending
 from ._group import Group
 
@@ -427,7 +427,7 @@ class ShmBackend:
     ) -> Pending:
         """Queue ``call`` (a native collective on ``seg``) for the worker,
         after the signature check :meth:`agreed` left for it, if any."""
-        timeout_us = int((group.state.timeout if group.state else 600.0) * 1e6)
+        timeout_us = int((group.state.wait if group.state else 600.0) * 1e6)
         gate = self._take_gate()
 
         def run() -> None:
@@ -454,20 +454,20 @@ class ShmBackend:
         table = sig.new_empty((group.size, WIDTH))
         sent = splits_row(call, group.size, sig.device)
         splits = sig.new_empty((group.size, sent.numel()))
-        lib, rows = _lib(), self._rows(group)
+        lib, rows, what = _lib(), self._rows(group), moving_now()
 
         def gate() -> None:
             code = lib.sx_all_gather(
                 seg.ref, table.data_ptr(), sig.data_ptr(), sig.numel() * 8, rows
             )
             _check(code, seg, group, "signature check")
-            verify(table, group, sig)
+            verify(table, group, sig, what)
             if call.call == "all_to_all":
                 code = lib.sx_all_gather(
                     seg.ref, splits.data_ptr(), sent.data_ptr(), sent.numel() * 8, rows
                 )
                 _check(code, seg, group, "all_to_all size check")
-                verify_splits(splits, group)
+                verify_splits(splits, group, what)
 
         self._gates.gate = (gate, seg, group, (table, splits, sent, rows))
         try:

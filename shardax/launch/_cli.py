@@ -19,6 +19,7 @@ from pathlib import Path
 
 import click
 
+from .._bad_setting import BadSetting
 from ..errors import LaunchError
 from ._launcher import launch
 from ._multinode import LAUNCHERS, NodeJob, describe, mpi_flavor, node_commands, run_nodes
@@ -97,6 +98,7 @@ def parse_log_ranks(text: str) -> tuple[int, ...] | None:
         "ignore_unknown_options": True,
         "allow_interspersed_args": False,
         "help_option_names": ["-h", "--help"],
+        "show_default": True,
     },
     epilog=_EPILOG,
 )
@@ -326,7 +328,7 @@ def launch_command(
                 ctx.exit(0)
             code = run_nodes(commands, kill_grace=kill_grace, max_restarts=max_restarts)
     except LaunchError as e:
-        raise click.ClickException(str(e)) from None
+        raise BadSetting(str(e)) from None
     ctx.exit(code)
 
 

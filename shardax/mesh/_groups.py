@@ -4,6 +4,7 @@ job, shared by every mesh that views the same ranks."""
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from ..collectives._agree import checks_enabled
 from ..collectives._backend import get_backend
-from ..collectives._group import Group, PGState
+from ..collectives._group import Group, PGState, arrival_grace
 from ..errors import MeshError
 from ._runtime import DEFAULT_TIMEOUT
 
@@ -68,32 +69,67 @@ def create_groups(mesh: Mesh) -> None:
     timeout = mesh.timeout if mesh.timeout is not None else default_timeout()
     backend = get_backend()
     names = [a for a, n in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if n > 1]
-    for k in range(1, len(names) + 1):
-        for axes in itertools.combinations(names, k):
-            key = _partition_key(mesh, axes)
-            if key in cache:
-                continue
-            blocks = key[1]
-            mine = next(b for b in blocks if mesh.rank in b)
-            if len(blocks) == 1 and mesh.timeout is None:
-                pg = dist.group.WORLD
-            else:
-                pg = None
-                for block in blocks:
-                    try:
-                        made = dist.new_group(list(block), timeout=timedelta(seconds=timeout))
-                    except Exception as err:
-                        raise MeshError(
-                            f"creating the process groups of {mesh!r} failed on rank {mesh.rank} "
-                            f"({err}); every rank must build the same meshes, in the same order"
-                        ) from err
-                    if block == mine:
-                        pg = made
-            transport = str(dist.get_backend(pg)) if backend.name == "torch" else backend.name
-            cache[key] = PGState(pg, mine, timeout, backend, checks_enabled(transport))
-            attach = getattr(backend, "attach", None)
-            if attach is not None:  # the shm backend maps the group's segment
-                attach(cache[key], dist.distributed_c10d._get_default_store())
+    combos = [c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
+    if any(_partition_key(mesh, axes) not in cache for axes in combos):
+        builds = cache["builds"] = cache.get("builds", 0) + 1
+        _everyone_builds(mesh, builds, timeout)
+    for axes in combos:
+        key = _partition_key(mesh, axes)
+        if key in cache:
+            continue
+        blocks = key[1]
+        mine = next(b for b in blocks if mesh.rank in b)
+        # Every group gets its own process group, whose transport gives up
+        # early enough to name the missing ranks within the timeout.
+        wait = timeout - arrival_grace(timeout)
+        pg = None
+        for block in blocks:
+            try:
+                made = dist.new_group(list(block), timeout=timedelta(seconds=wait))
+            except Exception as err:
+                raise MeshError(
+                    f"creating the process groups of {mesh!r} failed on rank {mesh.rank} "
+                    f"({err}); every rank must build the same meshes, in the same order"
+                ) from err
+            if block == mine:
+                pg = made
+        transport = str(dist.get_backend(pg)) if backend.name == "torch" else backend.name
+        cache[key] = PGState(pg, mine, timeout, backend, checks_enabled(transport))
+        attach = getattr(backend, "attach", None)
+        if attach is not None:  # the shm backend maps the group's segment
+            attach(cache[key], dist.distributed_c10d._get_default_store())
+
+
+def _everyone_builds(mesh: Mesh, build: int, timeout: float) -> None:
+    """Every rank arrives at the same mesh build (the ``build``-th that makes
+    groups), within ``timeout``: else a :class:`MeshError` naming the ranks
+    that never came, or that built another mesh — before any process group
+    is made (a raw store timeout names no one)."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"shardax/mesh-build/{build}"
+    mine = repr(mesh)
+    store.set(f"{key}/{mesh.rank}", mine)
+    others = [f"{key}/{r}" for r in range(mesh.world_size)]
+    deadline = time.monotonic() + timeout
+    missing = list(range(mesh.world_size))
+    while missing:
+        missing = [r for r in missing if not store.check([others[r]])]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    built = {r: store.get(others[r]).decode() for r in range(mesh.world_size) if r not in missing}
+    differ = {r: m for r, m in built.items() if m != mine}
+    if missing or differ:
+        parts = []
+        if missing:
+            parts.append(f"ranks {missing} did not build a mesh within {timeout:g} s")
+        if differ:
+            parts.append("; ".join(f"rank {r} built {m}" for r, m in sorted(differ.items())))
+        raise MeshError(
+            f"building {mine} (mesh build #{build} on rank {mesh.rank}): {'; '.join(parts)}. "
+            "Every rank must build the same meshes, in the same order (a rank that died, "
+            "returned early or took a rank-dependent branch before building it causes this)."
+        )
 
 
 def group_along(mesh: Mesh, axes: tuple[str, ...]) -> Group:

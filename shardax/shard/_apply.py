@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..collectives._agree import moving
 from ..errors import ShardingError
 from ._fused import Gathered, start_gather
 from ._modules import install
@@ -142,6 +143,13 @@ def _flatten_to(value: torch.Tensor, groups: tuple[int, ...]) -> torch.Tensor:
     return value.reshape(shape)
 
 
+def _moved(unit: _Unit) -> str:
+    """The parameters a unit's gathers move, for collective error messages."""
+    paths = [path for path, x, _, _ in unit.slots if isinstance(x, Sharded)]
+    shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    return f"{shown} (gathered for {unit.path or 'the model'})"
+
+
 class _Run:
     """One call of :func:`apply`: gathers, prefetches, releases, and (under a
     tape) saves gathered tensors as tokens and routes their gradients."""
@@ -161,12 +169,14 @@ class _Run:
 
     def _start(self, unit: _Unit) -> Gathered:
         if unit.index not in self.pending:
-            self.pending[unit.index] = start_gather(self._items(unit))
+            with moving(_moved(unit)):
+                self.pending[unit.index] = start_gather(self._items(unit))
         return self.pending[unit.index]
 
     def enter(self, unit: _Unit) -> None:
         if self.differentiable:
-            values = [transfer(x, layout).local for x, layout in self._items(unit)]
+            with moving(_moved(unit)):
+                values = [transfer(x, layout).local for x, layout in self._items(unit)]
         else:
             gathered = self._start(unit)
             self.pending.pop(unit.index, None)

@@ -91,7 +91,7 @@ def test_cli_force_replaces_checkpoints_only(tmp_path):
         result = runner.invoke(
             main, ["ckpt", "reshard", str(path), str(dst), "--mesh", "dp=2", "--force"]
         )
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == 2, result.output
         assert "not a shardax checkpoint" in result.output or "is a file" in result.output
         assert "resharding" not in result.output  # refused before any work
     assert (other / "notes.txt").read_text() == "mine"
@@ -109,7 +109,7 @@ def test_consolidate_never_writes_into_its_source(tmp_path):
     result = CliRunner().invoke(
         main, ["ckpt", "consolidate", str(path), str(inside), "--force", "--only", "params"]
     )
-    assert result.exit_code == 1 and "is inside the checkpoint" in result.output
+    assert result.exit_code == 2 and "is inside the checkpoint" in result.output
     assert sx.ckpt.verify(path) == []
 
 

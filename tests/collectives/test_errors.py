@@ -14,6 +14,7 @@ from _dist import run_ranks
 import shardax as sx
 from shardax import CollectiveError, CollectiveTimeoutError
 from shardax import collectives as C
+from shardax.collectives._group import arrival_grace
 
 
 def test_collectives_need_a_mesh():
@@ -228,3 +229,18 @@ def test_collective_numbers_stay_in_step_after_a_ppermute_with_bystanders():
     for rank in (0, 1, 3):
         assert "(collective #1 on ranks [0, 1, 2, 3])" in messages[rank]
         assert "Ranks that did not arrive: [2]" in messages[rank], messages[rank]
+
+
+def _transport_waits(timeout: float) -> tuple[float, float, float]:
+    group = sx.Mesh({"x": -1}, timeout=timeout).group("x")
+    pg_wait = group.pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    return group.state.timeout, group.state.wait, pg_wait
+
+
+@pytest.mark.world_size(2)
+def test_the_transport_gives_up_early_enough_to_report_within_the_timeout():
+    """A skipped collective is reported within the timeout, not after it: the
+    transport waits the timeout less the time kept for asking who arrived."""
+    for configured, wait, pg_wait in run_ranks(_transport_waits, 10.0, world_size=2):
+        assert configured == 10.0
+        assert wait == pytest.approx(10.0 - arrival_grace(10.0)) == pg_wait == 8.0

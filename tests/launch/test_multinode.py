@@ -150,15 +150,15 @@ def test_a_rank_killed_on_one_node_stops_both_nodes():
 def test_several_nodes_need_a_node_rank_and_a_shared_port(job_dir: Path):
     env = {"PATH": os.environ["PATH"]}
     result = cli("--launcher", "none", "--num-nodes", "2", "train.py", env=env, cwd=job_dir)
-    assert result.returncode == 1 and "needs --node-rank" in result.stderr
+    assert result.returncode == 2 and "needs --node-rank" in result.stderr
     result = cli(
         "--launcher", "none", "--num-nodes", "2", "--node-rank", "1", "train.py",
         env=env, cwd=job_dir,
     )  # fmt: skip
-    assert result.returncode == 1 and "needs --master-port" in result.stderr
+    assert result.returncode == 2 and "needs --master-port" in result.stderr
     result = cli("--max-restarts", "1", "--no-ssh", "--num-nodes", "2", "--node-rank", "0",
                  "--master-port", "29500", "train.py", env=env, cwd=job_dir)  # fmt: skip
-    assert result.returncode == 1 and "restarts the ranks of one node" in result.stderr
+    assert result.returncode == 2 and "restarts the ranks of one node" in result.stderr
 
 
 # --- dry runs: the exact commands ------------------------------------------------------
@@ -217,7 +217,7 @@ def test_dry_run_slurm_reads_the_allocation(job_dir: Path):
             f"--chdir={job_dir}", "--kill-on-bad-exit=1", *argv]  # fmt: skip
     assert result.stdout.splitlines() == ["gpu-a017,gpu-a018: " + shlex.join(srun)]
     outside = cli("--launcher", "slurm", "--dry-run", "train.py", env={"PATH": "/bin"}, cwd=job_dir)
-    assert outside.returncode == 1 and "inside a Slurm allocation" in outside.stderr
+    assert outside.returncode == 2 and "inside a Slurm allocation" in outside.stderr
 
 
 def test_dry_run_of_the_node_launcher_in_a_slurm_step(job_dir: Path):
@@ -266,9 +266,9 @@ def test_bad_node_selections_are_clear_errors(job_dir: Path):
     for args, message in cases:
         result = cli("--hostfile", "hosts", "--launcher", "ssh", *args, "--dry-run", "train.py",
                      env=env, cwd=job_dir)  # fmt: skip
-        assert result.returncode == 1 and message in result.stderr, (args, result.stderr)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
     result = cli("--include", "worker-0", "train.py", env=env, cwd=job_dir)
-    assert result.returncode == 1 and "--launcher none runs this node only" in result.stderr
+    assert result.returncode == 2 and "--launcher none runs this node only" in result.stderr
 
 
 # --- the pure parts ----------------------------------------------------------------
@@ -336,7 +336,7 @@ def test_env_file_and_env_options_reach_the_ranks(job_dir: Path):
     assert seen == [{"FROM_FILE": "yes", "BOTH": "option", "CUDA_VISIBLE_DEVICES": "5,4"}] * 2
     bad = cli("--devices", "3", "train.py", env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5"},
               cwd=job_dir)  # fmt: skip
-    assert bad.returncode == 1 and "makes 2 device(s) visible" in bad.stderr
+    assert bad.returncode == 2 and "makes 2 device(s) visible" in bad.stderr
 
 
 def node_launcher(rank: int, port: int, *target: str) -> list[str]:

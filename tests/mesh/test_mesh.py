@@ -123,3 +123,36 @@ def test_mesh_without_init_under_slurm_or_mpirun_is_an_error(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     with pytest.raises(MeshError, match=r"shardax\.init"):
         Mesh({"dp": -1})
+
+
+def _one_rank_builds(other: str) -> str:
+    """Rank 1 never builds the mesh (``other`` = "none") or builds another."""
+    import torch.distributed as dist
+
+    try:
+        if dist.get_rank() == 0:
+            Mesh({"dp": -1}, timeout=3.0)
+        elif other == "another":
+            Mesh({"dp": 1, "tp": -1}, timeout=3.0)
+        else:
+            return "skipped"
+    except MeshError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.world_size(2)
+def test_a_rank_that_never_builds_the_mesh_is_named():
+    first, second = run_ranks(_one_rank_builds, "none", world_size=2, reset=True)
+    assert second == "skipped"
+    assert (
+        "building Mesh({'dp': 2}" in first and "ranks [1] did not build a mesh within 3 s" in first
+    )
+    assert "Every rank must build the same meshes" in first
+
+
+@pytest.mark.world_size(2)
+def test_ranks_that_build_different_meshes_are_told_so():
+    first, second = run_ranks(_one_rank_builds, "another", world_size=2, reset=True)
+    assert "rank 1 built Mesh({'dp': 1, 'tp': 2}" in first, first
+    assert "rank 0 built Mesh({'dp': 2}" in second, second
