@@ -118,3 +118,15 @@ def test_train_gpt_resumes_bit_identically(tmp_path):
     assert spec_a == spec_b and len(leaves_a) > 20
     for x, y in zip(leaves_a, leaves_b, strict=True):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+def test_check_cost_benchmark_smoke(tmp_path):
+    out = tmp_path / "check_cost.json"
+    done = launch(
+        "--nproc-per-node", "2", "benchmarks/check_cost.py", "--smoke", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert {(r["backend"], r["op"]) for r in result["rows"]} >= {("torch", "psum_1")}
+    assert all(r["checked_us"] > 0 and r["unchecked_us"] > 0 for r in result["rows"])
+    assert set(result["per_step"]) >= {"torch"}

@@ -160,6 +160,8 @@ class TensorEntry:
 
     def __attrs_post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if any(d < 0 for d in self.shape):
+            raise CheckpointError(f"shape {self.shape} has a negative dim")
         for b in self.boxes:
             if len(b.offsets) != len(self.shape) or any(
                 o + n > d for o, n, d in zip(b.offsets, b.sizes, self.shape, strict=True)
@@ -197,15 +199,29 @@ class ValueEntry:
 Entry = TensorEntry | ValueEntry
 
 
+def _check_filled(entry: TensorEntry) -> None:
+    """A tensor read from an index: its boxes hold every element (checked
+    before anything is allocated for it)."""
+    stored = sum(b.numel for b in entry.boxes)
+    if stored < math.prod(entry.shape):  # checked before anything is allocated
+        raise CheckpointError(
+            f"its boxes hold {stored} of the {math.prod(entry.shape)} elements of shape "
+            f"{entry.shape}: the index is corrupt or forged (every element of a saved tensor "
+            "is stored at least once); refused before allocating anything"
+        )
+
+
 def _entry_from_json(e: Mapping[str, Any]) -> Entry:
     if e["kind"] == "tensor":
-        return TensorEntry(
+        entry = TensorEntry(
             e["shape"],
             str(parse_dtype(e["dtype"])).removeprefix("torch."),
             spec_from_json(e["spec"]),
             {str(k): int(v) for k, v in e["mesh"].items()},
             [Box.from_json(b) for b in e["boxes"]],
         )
+        _check_filled(entry)
+        return entry
     if e["kind"] == "value":
         return ValueEntry(e["value"])
     raise CheckpointError(f"unknown kind {e['kind']!r}")
@@ -329,6 +345,11 @@ def read_index(path: str | os.PathLike[str]) -> Index:
             " (a save may have been interrupted before it committed)" if Path(path).is_dir() else ""
         )
         raise CheckpointError(f"no checkpoint at {str(path)!r}: {where} does not exist{hint}")
+    if where.is_symlink() and not where.resolve().is_relative_to(where.parent.resolve()):
+        raise CheckpointError(
+            f"{where} is a link to {where.resolve()}, outside the checkpoint; a checkpoint's "
+            "index must live in its folder (copy the file in)"
+        )
     try:
         data = json.loads(where.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -28,6 +28,7 @@ from ..shard._rules import Rule, Rules
 from ..shard._spec import P, PartitionSpec
 from ._format import (
     _BY_CODE,
+    INDEX,
     Box,
     Files,
     Index,
@@ -153,7 +154,12 @@ def verify(
     ['checksum mismatch in rank-00000-of-00001.safetensors:w@0 (bytes 0–16 of the tensor): ...']
     """
     root = live_dir(path)
-    index = read_index(root)
+    try:
+        index = read_index(root)
+    except CheckpointError as e:
+        if not (root / INDEX).is_file():
+            raise  # no checkpoint here: not a finding
+        return [str(e)]  # an index that does not hold together is one
     progress = progress or _noop
     boxes = [(b, e.torch_dtype) for e in index.tensors().values() for b in e.boxes]
     boxes += [(b, torch.uint8) for s in index.rng.values() for b in s["tensors"].values()]

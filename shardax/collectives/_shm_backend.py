@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from . import _hierarchical
-from ._agree import WIDTH, moving_now, splits_row, verify, verify_splits
+from ._agree import moving_now, settle
 from ._backend import Pending
 from ._group import Group
 
@@ -451,25 +451,16 @@ class ShmBackend:
         seg = self._segment(group)
         if seg is None:
             return self.fallback.agreed(sig, call, group, issue)
-        table = sig.new_empty((group.size, WIDTH))
-        sent = splits_row(call, group.size, sig.device)
-        splits = sig.new_empty((group.size, sent.numel()))
         lib, rows, what = _lib(), self._rows(group), moving_now()
 
-        def gate() -> None:
-            code = lib.sx_all_gather(
-                seg.ref, table.data_ptr(), sig.data_ptr(), sig.numel() * 8, rows
-            )
+        def gather(out: torch.Tensor, x: torch.Tensor) -> None:
+            code = lib.sx_all_gather(seg.ref, out.data_ptr(), x.data_ptr(), x.numel() * 8, rows)
             _check(code, seg, group, "signature check")
-            verify(table, group, sig, what)
-            if call.call == "all_to_all":
-                code = lib.sx_all_gather(
-                    seg.ref, splits.data_ptr(), sent.data_ptr(), sent.numel() * 8, rows
-                )
-                _check(code, seg, group, "all_to_all size check")
-                verify_splits(splits, group, what)
 
-        self._gates.gate = (gate, seg, group, (table, splits, sent, rows))
+        def gate() -> None:
+            settle(sig, call, group, what, gather)
+
+        self._gates.gate = (gate, seg, group, (sig, rows))
         try:
             return issue()
         finally:

@@ -125,10 +125,10 @@ def test_consolidate_refuses_to_overwrite_and_names_bad_only(tmp_path):
     out = tmp_path / "m.safetensors"
     out.write_bytes(b"keep")
     code, text = cli("consolidate", path, out)
-    assert code == 1 and "pass --force" in text and out.read_bytes() == b"keep"
+    assert code == 2 and "pass --force" in text and out.read_bytes() == b"keep"
     code, text = cli("consolidate", path, tmp_path / "n.safetensors", "--only", "parms")
     assert (
-        code == 1 and "selects nothing; top-level keys are ['opt_state', 'params', 'step']" in text
+        code == 2 and "selects nothing; top-level keys are ['opt_state', 'params', 'step']" in text
     )
     code, text = cli("consolidate", path, tmp_path / "n.safetensors", "--dtype", "fp13")
     assert code == 2 and "unknown dtype 'fp13'" in text
@@ -259,13 +259,13 @@ def test_reshard_argument_errors(tmp_path, args, message):
 def test_reshard_refuses_existing_destinations_and_uneven_strict_specs(tmp_path):
     path, _, _ = train_state(tmp_path)
     code, out = cli("reshard", path, path, "--mesh", "dp=2")
-    assert code == 1 and "pass --force" in out
+    assert code == 2 and "pass --force" in out
     code, out = cli("reshard", path, path, "--mesh", "dp=2", "--force")
-    assert code == 1 and "is the source itself" in out
+    assert code == 2 and "is the source itself" in out
     specs = tmp_path / "specs.json"
     specs.write_text(json.dumps({r"fc\.bias": ["nope"]}))
     code, out = cli("reshard", path, tmp_path / "y", "--mesh", "dp=2", "--specs", specs)
-    assert code == 1 and "nope" in out and not (tmp_path / "y").exists()
+    assert code == 2 and "nope" in out and not (tmp_path / "y").exists()
 
 
 def test_import_safetensors_and_state_dicts_into_sharded_checkpoints(tmp_path):
@@ -296,5 +296,5 @@ def test_import_never_runs_code_from_a_pickle(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.save({"w": torch.ones(2), "x": Evil()}, tmp_path / "evil.pt")
     code, out = cli("import", tmp_path / "evil.pt", tmp_path / "c", "--mesh", "dp=1")
-    assert code == 1 and "weights_only=True (no code is run)" in out
+    assert code == 2 and "weights_only=True (no code is run)" in out
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "c").exists()

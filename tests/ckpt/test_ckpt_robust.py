@@ -224,3 +224,29 @@ def test_mesh_option_rejects_non_ascii_digits(tmp_path):
         main, ["ckpt", "reshard", str(path), str(tmp_path / "d"), "--mesh", "dp=²"]
     )
     assert result.exit_code == 2 and "axis=size pairs" in result.output
+
+
+def test_an_index_linked_from_outside_the_checkpoint_is_refused(tmp_path):
+    path = sx.ckpt.save(tmp_path / "c", {"w": torch.ones(4)}, rng=False)
+    outside = tmp_path / "forged-index.json"
+    (path / "index.json").rename(outside)
+    (path / "index.json").symlink_to(outside)
+    with pytest.raises(sx.CheckpointError, match=r"is a link to .*forged-index\.json, outside"):
+        sx.ckpt.load(path)
+
+
+def test_a_shape_its_boxes_cannot_fill_is_refused_before_allocating(tmp_path):
+    """A forged index asking for 10^15 elements (4 PB) is a typed error, not
+    an allocation that takes the machine down."""
+    path = sx.ckpt.save(tmp_path / "c", {"w": torch.ones(4)}, rng=False)
+    index = json.loads((path / "index.json").read_text())
+    index["leaves"]["w"]["shape"] = [10**15]
+    (path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        sx.CheckpointError, match=r"leaf 'w': its boxes hold 4 of the 1000000000000000 elements"
+    ):
+        sx.ckpt.load(path)
+    index["leaves"]["w"]["shape"] = [-4]
+    (path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(sx.CheckpointError, match=r"shape \(-4,\) has a negative dim"):
+        sx.ckpt.read_index(path)
