@@ -73,14 +73,83 @@ def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         raise ConfigError(f"{attribute.name} must be >= 0; got {value!r}")
 
 
-def _int_or_none(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"expected an integer; got {value!r}")
-    return value
+def _as_int(name: str) -> Callable[[Any], int]:
+    """A converter to an integer that refuses ``true``, ``2.5``, ``"3"``,
+    ``1e400`` and anything beyond int64, naming the key."""
+
+    def convert(value: Any) -> int:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**63:
+            raise ConfigError(f"{name} is an integer; got {value!r}")
+        return value
+
+    return convert
+
+
+def _as_float(name: str) -> Callable[[Any], float]:
+    """A converter to a finite number that refuses ``true``, strings, NaN and
+    infinities (``1e400`` parses as one), naming the key."""
+
+    def convert(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name} is a number; got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} is a finite number; got {value!r}")
+        return float(value)
+
+    return convert
+
+
+def _as_optional_float(name: str) -> Callable[[Any], float | None]:
+    number = _as_float(name)
+    return lambda value: None if value is None else number(value)
+
+
+def _as_bool(name: str) -> Callable[[Any], bool]:
+    def convert(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} is true or false; got {value!r}")
+        return value
+
+    return convert
+
+
+def _as_str(name: str) -> Callable[[Any], str]:
+    def convert(value: Any) -> str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} is a string; got {value!r}")
+        return value
+
+    return convert
+
+
+def _as_optional_str(name: str) -> Callable[[Any], str | None]:
+    text = _as_str(name)
+    return lambda value: None if value is None else text(value)
+
+
+def _as_optional_int(name: str) -> Callable[[Any], int | None]:
+    integer = _as_int(name)
+    return lambda value: None if value is None else integer(value)
+
+
+def _as_floats(name: str) -> Callable[[Any], tuple[float, ...]]:
+    def convert(value: Any) -> tuple[float, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} is a list of numbers; got {value!r}")
+        return tuple(_as_float(f"{name}[{i}]")(v) for i, v in enumerate(value))
+
+    return convert
+
+
+def _as_strs(name: str) -> Callable[[Any], tuple[str, ...]]:
+    def convert(value: Any) -> tuple[str, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} is a list of strings; got {value!r}")
+        return tuple(_as_str(f"{name}[{i}]")(v) for i, v in enumerate(value))
+
+    return convert
 
 
 @attrs.frozen
@@ -90,13 +159,15 @@ class ParallelConfig:
     Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``bucket_bytes``
     of gradient reductions; ``prefetch`` of ZeRO-3 gathers."""
 
-    zero: int = attrs.field(default=0, converter=int)
-    zero_axis: str = "dp"
-    tp: str | None = None
-    sequence_parallel: bool = False
-    sp: str | None = None
-    bucket_bytes: int = attrs.field(default=25 * 2**20, converter=int, validator=_positive)
-    prefetch: bool = True
+    zero: int = attrs.field(default=0, converter=_as_int("zero"))
+    zero_axis: str = attrs.field(default="dp", converter=_as_str("zero_axis"))
+    tp: str | None = attrs.field(default=None, converter=_as_optional_str("tp"))
+    sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
+    sp: str | None = attrs.field(default=None, converter=_as_optional_str("sp"))
+    bucket_bytes: int = attrs.field(
+        default=25 * 2**20, converter=_as_int("bucket_bytes"), validator=_positive
+    )
+    prefetch: bool = attrs.field(default=True, converter=_as_bool("prefetch"))
 
     def __attrs_post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -110,12 +181,16 @@ class OptimizerConfig:
     """The optimizer (``type``) and its hyperparameters."""
 
     type: str = attrs.field(default="adamw", validator=_in(OPTIMIZERS))
-    lr: float = attrs.field(default=1e-3, converter=float, validator=_positive)
-    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=tuple)
-    eps: float = attrs.field(default=1e-8, converter=float)
-    weight_decay: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
-    momentum: float = attrs.field(default=0.0, converter=float)
-    clip_global_norm: float | None = None
+    lr: float = attrs.field(default=1e-3, converter=_as_float("lr"), validator=_positive)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=_as_floats("betas"))
+    eps: float = attrs.field(default=1e-8, converter=_as_float("eps"))
+    weight_decay: float = attrs.field(
+        default=0.0, converter=_as_float("weight_decay"), validator=_non_negative
+    )
+    momentum: float = attrs.field(default=0.0, converter=_as_float("momentum"))
+    clip_global_norm: float | None = attrs.field(
+        default=None, converter=_as_optional_float("clip_global_norm"), validator=_positive
+    )
 
     def __attrs_post_init__(self) -> None:
         if len(self.betas) != 2:
@@ -130,14 +205,18 @@ class ScheduleConfig:
     ``total_steps`` (default: the run's steps), or the 1cycle policy."""
 
     type: str = attrs.field(default="constant", validator=_in(SCHEDULES))
-    warmup_steps: int = attrs.field(default=0, converter=int, validator=_non_negative)
-    total_steps: int | None = attrs.field(default=None, converter=_int_or_none)
-    init_lr: float = attrs.field(default=0.0, converter=float)
-    end_lr: float = attrs.field(default=0.0, converter=float)
+    warmup_steps: int = attrs.field(
+        default=0, converter=_as_int("warmup_steps"), validator=_non_negative
+    )
+    total_steps: int | None = attrs.field(
+        default=None, converter=_as_optional_int("total_steps"), validator=_positive
+    )
+    init_lr: float = attrs.field(default=0.0, converter=_as_float("init_lr"))
+    end_lr: float = attrs.field(default=0.0, converter=_as_float("end_lr"))
     warmup: str = attrs.field(default="linear", validator=_in(("linear", "log")))
-    pct_start: float = attrs.field(default=0.3, converter=float)
-    div_factor: float = attrs.field(default=25.0, converter=float)
-    final_div_factor: float = attrs.field(default=1e4, converter=float)
+    pct_start: float = attrs.field(default=0.3, converter=_as_float("pct_start"))
+    div_factor: float = attrs.field(default=25.0, converter=_as_float("div_factor"))
+    final_div_factor: float = attrs.field(default=1e4, converter=_as_float("final_div_factor"))
 
 
 @attrs.frozen
@@ -147,11 +226,15 @@ class PrecisionConfig:
     dynamic from 2**16, or a fixed number with ``dynamic: false``)."""
 
     params: str = attrs.field(default="fp32", validator=_in(PRECISIONS))
-    master_weights: bool = True
-    loss_scale: float = attrs.field(default=2.0**16, converter=float, validator=_positive)
-    dynamic: bool = True
-    growth_interval: int = attrs.field(default=2000, converter=int, validator=_positive)
-    backoff_factor: float = 0.5
+    master_weights: bool = attrs.field(default=True, converter=_as_bool("master_weights"))
+    loss_scale: float = attrs.field(
+        default=2.0**16, converter=_as_float("loss_scale"), validator=_positive
+    )
+    dynamic: bool = attrs.field(default=True, converter=_as_bool("dynamic"))
+    growth_interval: int = attrs.field(
+        default=2000, converter=_as_int("growth_interval"), validator=_positive
+    )
+    backoff_factor: float = attrs.field(default=0.5, converter=_as_float("backoff_factor"))
 
 
 class ResolvedBatch(NamedTuple):
@@ -168,10 +251,14 @@ class BatchConfig:
     data-parallel rank and micro-step) and ``accumulation`` (micro-steps per
     step): give any two and :meth:`resolve` computes the third."""
 
-    global_size: int | None = attrs.field(default=None, converter=_int_or_none, validator=_positive)
-    micro: int | None = attrs.field(default=None, converter=_int_or_none, validator=_positive)
+    global_size: int | None = attrs.field(
+        default=None, converter=_as_optional_int("global"), validator=_positive
+    )
+    micro: int | None = attrs.field(
+        default=None, converter=_as_optional_int("micro"), validator=_positive
+    )
     accumulation: int | None = attrs.field(
-        default=None, converter=_int_or_none, validator=_positive
+        default=None, converter=_as_optional_int("accumulation"), validator=_positive
     )
 
     def resolve(self, dp_size: int) -> ResolvedBatch:
@@ -219,10 +306,10 @@ class CheckpointConfig:
     """Sharded checkpoints into ``dir`` every ``every`` steps (0: at the
     end only), keeping ``keep``, saved in the background when ``async_save``."""
 
-    dir: str = "checkpoints/run"
-    every: int = attrs.field(default=0, converter=int, validator=_non_negative)
-    keep: int = attrs.field(default=2, converter=int, validator=_positive)
-    async_save: bool = True
+    dir: str = attrs.field(default="checkpoints/run", converter=_as_str("dir"))
+    every: int = attrs.field(default=0, converter=_as_int("every"), validator=_non_negative)
+    keep: int = attrs.field(default=2, converter=_as_int("keep"), validator=_positive)
+    async_save: bool = attrs.field(default=True, converter=_as_bool("async_save"))
 
 
 @attrs.frozen
@@ -232,14 +319,16 @@ class MonitorConfig:
     communication breakdown), ``comm`` (per-collective log), ``memory``;
     ``peak_tflops`` per rank for MFU. All off but stdout by default."""
 
-    log_every: int = attrs.field(default=25, converter=int, validator=_positive)
-    writers: tuple[str, ...] = attrs.field(default=("stdout",), converter=tuple)
-    dir: str = "runs/run"
-    timers: bool = False
-    comm: bool = False
-    memory: bool = False
-    peak_tflops: float | None = None
-    progress: bool = False
+    log_every: int = attrs.field(default=25, converter=_as_int("log_every"), validator=_positive)
+    writers: tuple[str, ...] = attrs.field(default=("stdout",), converter=_as_strs("writers"))
+    dir: str = attrs.field(default="runs/run", converter=_as_str("dir"))
+    timers: bool = attrs.field(default=False, converter=_as_bool("timers"))
+    comm: bool = attrs.field(default=False, converter=_as_bool("comm"))
+    memory: bool = attrs.field(default=False, converter=_as_bool("memory"))
+    peak_tflops: float | None = attrs.field(
+        default=None, converter=_as_optional_float("peak_tflops"), validator=_positive
+    )
+    progress: bool = attrs.field(default=False, converter=_as_bool("progress"))
 
     def __attrs_post_init__(self) -> None:
         for w in self.writers:
@@ -290,8 +379,33 @@ class RunConfig:
     batch: BatchConfig = attrs.field(factory=lambda: BatchConfig(micro=8, accumulation=1))
     checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     monitor: MonitorConfig = attrs.field(factory=MonitorConfig)
-    steps: int = attrs.field(default=1000, converter=int, validator=_positive)
-    seed: int = attrs.field(default=0, converter=int)
+    steps: int = attrs.field(default=1000, converter=_as_int("steps"), validator=_positive)
+    seed: int = attrs.field(default=0, converter=_as_int("seed"))
+
+    def __attrs_post_init__(self) -> None:
+        s = self.schedule
+        total = s.total_steps if s.total_steps is not None else self.steps
+        decays = s.type in ("warmup_cosine", "warmup_linear")
+        if s.warmup_steps > total or (decays and s.warmup_steps and s.warmup_steps >= total):
+            where = "schedule.total_steps" if s.total_steps is not None else "steps"
+            than = "less than" if decays else "at most"
+            raise ConfigError(
+                f"schedule.warmup_steps ({s.warmup_steps}) must be {than} the total steps "
+                f"({where} = {total}): the warm-up would not end within the run"
+                + (" and leave steps to decay" if decays else "")
+                + "; lower warmup_steps or raise the total"
+            )
+        p, axes = self.parallel, sorted(self.mesh)
+        named = [("parallel.zero_axis", p.zero_axis if p.zero else None),
+                 ("parallel.tp", p.tp), ("parallel.sp", p.sp)]  # fmt: skip
+        for key, axis in named:
+            if axis is not None and axis not in self.mesh:
+                close = difflib.get_close_matches(axis, axes, n=1, cutoff=0.5)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"{key} names mesh axis {axis!r}{hint}, but the mesh {self.mesh} has axes "
+                    f"{axes}; add it to mesh or name one of those"
+                )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> RunConfig:
@@ -304,7 +418,7 @@ class RunConfig:
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             if key not in top:
-                raise ConfigError(_unknown(source, key, "", sorted(top)))
+                raise _keyed(_unknown(source, key, "", sorted(top)), key)
             if key in _SECTIONS:
                 kwargs[key] = _section(source, key, _SECTIONS[key], value)
             else:
@@ -312,7 +426,8 @@ class RunConfig:
         try:
             return cls(**kwargs)
         except ConfigError as err:
-            raise ConfigError(f"{source}: {err}") from None
+            key = getattr(err, "key_path", None) or _first_key(str(err), top)
+            raise _keyed(f"{source}: {err}", key) from None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{source}: {err}") from None
 
@@ -322,10 +437,25 @@ class RunConfig:
         import hjson
 
         try:
-            data = hjson.loads(text)
+            data = hjson.loads(text, object_pairs_hook=_no_duplicates)
         except hjson.HjsonDecodeError as err:
             raise ConfigError(f"{source}: not valid hjson: {err}") from None
-        return cls.from_dict(_plain(data), source)
+        except (OverflowError, ValueError):  # hjson's own reader fails on 1e400
+            raise ConfigError(f"{source}:{_overflow(text)}") from None
+        except _DuplicateKey as dup:
+            line = _line_of(text, (dup.key,), occurrence=2)
+            raise ConfigError(
+                f"{source}:{line}: duplicate key {dup.key!r}: the later value would silently "
+                "replace the earlier one; keep one"
+            ) from None
+        try:
+            return cls.from_dict(_plain(data), source)
+        except ConfigError as err:
+            path = getattr(err, "key_path", None)
+            line = _line_of(text, tuple(path.split("."))) if path else None
+            if line is None or not str(err).startswith(f"{source}: "):
+                raise
+            raise _keyed(str(err).replace(f"{source}: ", f"{source}:{line}: ", 1), path) from None
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, in the file's key names (every value,
@@ -509,14 +639,70 @@ def _section(source: str, name: str, cls: type, value: Any) -> Any:
     kwargs = {}
     for field, key in file_names.items():
         if field not in fields:
-            raise ConfigError(_unknown(source, key, f"{name}.", allowed))
+            raise _keyed(_unknown(source, key, f"{name}.", allowed), f"{name}.{key}")
         kwargs[field] = value[key]
     try:
         return cls(**kwargs)
     except ConfigError as err:
-        raise ConfigError(f"{source}: {name}.{err}") from None
+        key = _first_key(str(err), set(value))
+        raise _keyed(f"{source}: {name}.{err}", f"{name}.{key}" if key else None) from None
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{source}: {name}: {err}") from None
+
+
+def _keyed(message: str, key_path: str | None) -> ConfigError:
+    """A ConfigError that knows the key path it is about (so that a file's
+    line can be named)."""
+    err = ConfigError(message)
+    err.key_path = key_path  # type: ignore[attr-defined]
+    return err
+
+
+def _first_key(message: str, keys: Any) -> str | None:
+    """The key a value error names first (``lr is a number; ...``), if it is one of ``keys``."""
+    word = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    return word if word in keys else None
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _overflow(text: str) -> str:
+    """``LINE: message`` for the first number in ``text`` that is no finite float."""
+    import re
+
+    for m in re.finditer(r"(?<![\w.])[-+]?\d+(?:\.\d*)?[eE][-+]?\d+", text):
+        if not math.isfinite(float(m.group())):
+            line = text.count("\n", 0, m.start()) + 1
+            return f"{line}: the number {m.group()} is too large (not a finite number)"
+    return " a number could not be read (out of range)"
+
+
+def _line_of(text: str, path: tuple[str, ...], occurrence: int = 1) -> int | None:
+    """The line of ``text`` where the key ``path`` (section, key) is written
+    (its ``occurrence``-th time for the last part); None if not found."""
+    import re
+
+    pos = 0
+    for i, key in enumerate(path):
+        pattern = re.compile(rf'(?:^|[{{,\s])["\']?{re.escape(key)}["\']?\s*:', re.M)
+        found = list(pattern.finditer(text, pos))
+        want = occurrence if i == len(path) - 1 else 1
+        if len(found) < want:
+            return None
+        pos = found[want - 1].end()
+    return text.count("\n", 0, pos) + 1
 
 
 def _unknown(source: str, key: str, prefix: str, allowed: list[str]) -> str:

@@ -295,3 +295,63 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
               if "] step " in line]  # fmt: skip
     assert losses and losses[-1] < losses[0]
     assert (tmp_path / "ckpt" / "step-00000006").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "steps: 10\noptimizer: {lr: 1e-3}\nsteps: 20\n",
+            "run.hjson:3: duplicate key 'steps': the later value would silently replace",
+        ),
+        (
+            'optimizer: {\n  type: "adamw"\n  lr: 1e-3\n  lr: 2e-3\n}\n',
+            "run.hjson:4: duplicate key 'lr'",
+        ),
+        ("seed: 1\nsteps: true\n", "run.hjson:2: steps is an integer; got True"),
+        ("steps: 2.5\n", "run.hjson:1: steps is an integer; got 2.5"),
+        ("steps: 100000000000000000000000\n", "run.hjson:1: steps is an integer; got 1000"),
+        (
+            'optimizer: {\n  type: "adamw"\n  lr: 1e400\n}\n',
+            "run.hjson:3: the number 1e400 is too large (not a finite number)",
+        ),
+        ('optimizer: {lr: "0.1"}\n', "run.hjson:1: optimizer.lr is a number; got '0.1'"),
+        ("optimizer: {betas: [0.9, true]}\n", "optimizer.betas[1] is a number; got True"),
+        ('parallel: {zero: "auto"}\n', "run.hjson:1: parallel.zero is an integer; got 'auto'"),
+        ('checkpoint: {async_save: "no"}\n', "checkpoint.async_save is true or false; got 'no'"),
+        ('monitor: {writers: ["stdout", 3]}\n', "monitor.writers[1] is a string; got 3"),
+        (
+            'steps: 100\nschedule: {type: "warmup_cosine", warmup_steps: 200}\n',
+            "schedule.warmup_steps (200) must be less than the total steps (steps = 100)",
+        ),
+        (
+            'steps: 100\nschedule: {type: "warmup_constant", warmup_steps: 101}\n',
+            "schedule.warmup_steps (101) must be at most the total steps (steps = 100)",
+        ),
+        (
+            "mesh: {data: -1}\nparallel: {zero: 2}\n",
+            "parallel.zero_axis names mesh axis 'dp', but the mesh {'data': -1} has axes ['data']",
+        ),
+        (
+            'mesh: {dp: -1, tp: 2}\nparallel: {tp: "pt"}\n',
+            "parallel.tp names mesh axis 'pt' (did you mean 'tp'?)",
+        ),
+        (
+            '\noptimizer: {typ: "adamw"}\n',
+            "run.hjson:2: unknown key optimizer.typ (did you mean 'type'?)",
+        ),
+    ],
+)
+def test_every_bad_value_is_a_typed_error_naming_file_line_and_key(text, message):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_text(text, "run.hjson")
+    assert message in str(err.value)
+
+
+def test_a_good_config_still_loads_with_its_types():
+    config = RunConfig.from_text(
+        'steps: 100\nschedule: {type: "warmup_constant", warmup_steps: 100}\n'
+        "optimizer: {lr: 1, betas: [0.9, 0.95]}\nbatch: {global: 16.0, micro: 4}\n"
+    )
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+    assert config.batch.global_size == 16 and isinstance(config.batch.global_size, int)
