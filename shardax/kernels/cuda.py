@@ -307,7 +307,10 @@ def quantize_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     padded = torch.zeros(blocks * QUANT_BLOCK, dtype=torch.float32, device=x.device)
     padded[:n] = flat
     rows = padded.view(blocks, QUANT_BLOCK)
-    scales = rows.abs().amax(dim=1) / 127.0
+    peak = rows.abs().amax(dim=1)
+    # A true division, as the kernel's: on CUDA, dividing by a Python number
+    # multiplies by its rounded reciprocal (1 ulp off for ~5 % of values).
+    scales = peak / torch.full_like(peak, 127.0)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.where(scales[:, None] > 0, torch.round(rows / safe[:, None]), torch.zeros_like(rows))
     return q.clamp(-127, 127).to(torch.int8).reshape(-1)[:n], scales
