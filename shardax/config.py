@@ -539,11 +539,13 @@ class RunConfig:
         b1, b2 = o.betas
         makers: dict[str, Callable[[], Any]] = {
             "adamw": lambda: optim.adamw(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
-            "adam": lambda: optim.adam(lr, b1=b1, b2=b2, eps=o.eps),
+            "adam": lambda: optim.adam(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
             "lion": lambda: optim.lion(lr, b1=b1, b2=b2, weight_decay=o.weight_decay),
             "sgd": lambda: optim.sgd(lr, momentum=o.momentum, weight_decay=o.weight_decay),
-            "adagrad": lambda: optim.adagrad(lr, eps=o.eps),
-            "rmsprop": lambda: optim.rmsprop(lr, eps=o.eps),
+            "adagrad": lambda: optim.adagrad(lr, eps=o.eps, weight_decay=o.weight_decay),
+            "rmsprop": lambda: optim.rmsprop(
+                lr, eps=o.eps, weight_decay=o.weight_decay, momentum=o.momentum
+            ),
             "lamb": lambda: optim.lamb(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
         }
         opt = makers[o.type]()
@@ -761,9 +763,20 @@ _DS_IGNORED = {
 }
 
 
-def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+def from_deepspeed(
+    ds: Mapping[str, Any], *, lossy: bool = False
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """A shardax run config (as file data) from a DeepSpeed config, and every
     DeepSpeed key it did not map, with the reason.
+
+    The conversion never changes what the run computes silently: a key whose
+    loss would change the math — an optimizer, scheduler or parameter of
+    them that shardax cannot express, a loss-scaling rule it does not have,
+    a key it does not know, fp16 and bf16 both enabled — is a
+    :class:`ConfigError` naming it, unless ``lossy`` (``--lossy``), which
+    drops it and lists it with the others. Keys that only tune DeepSpeed's
+    own machinery (buckets, overlap, offload, logging) are listed, never an
+    error.
 
     Batch keys (``"auto"`` leaves a size to be computed), ``zero_optimization``
     (stage, reduce bucket size; offload is listed as unmapped), ``bf16`` /
@@ -778,16 +791,34 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[st
     >>> data["batch"], data["parallel"], data["precision"]["params"]
     ({'global': 32}, {'zero': 2}, 'fp16')
     >>> unmapped
-    [('zero_allow_untested_optimizer', 'no shardax setting for it')]
+    [('zero_allow_untested_optimizer', 'no effect here: shardax runs any optimizer')]
+    >>> from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}})
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ConfigError: DeepSpeed config: cannot convert without changing what the run computes: optimizer.type='OneBitAdam' (shardax has adamw, adam, lion, sgd, adagrad, rmsprop, lamb); pass --lossy (lossy=True) to drop them, listed in the output
     """
     out: dict[str, Any] = {}
     unmapped: list[tuple[str, str]] = []
+    changes: list[str] = []  # dropped keys that change the math
 
     def put(section: str, key: str, value: Any) -> None:
         out.setdefault(section, {})[key] = value
 
-    def skip(key: str, why: str) -> None:
-        unmapped.append((key, why))
+    def skip(key: str, why: str, math: bool = True) -> None:
+        """Drop ``key``; ``math``: the run would compute something else."""
+        unmapped.append((key, why if not math or not lossy else f"{why} [changes the math]"))
+        if math:
+            changes.append(f"{key} ({why})")
+
+    def harmless(key: str, why: str) -> None:
+        skip(key, why, math=False)
+
+    enabled = [k for k in ("fp16", "bf16") if _ds_enabled(ds.get(k))]
+    if len(enabled) == 2:
+        raise ConfigError(
+            "DeepSpeed config: fp16 and bf16 are both enabled; DeepSpeed itself refuses this. "
+            "Enable one of them"
+        )
 
     for key, value in ds.items():
         if key in (
@@ -820,7 +851,7 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[st
                 put("monitor", "comm", True)
                 for k in value:
                     if k != "enabled":
-                        skip(f"comms_logger.{k}", "the comm log records every collective")
+                        skip(f"comms_logger.{k}", "the comm log records every collective", False)
         elif key in ("tensorboard", "csv_monitor"):
             if isinstance(value, Mapping) and value.get("enabled"):
                 writer = "tensorboard" if key == "tensorboard" else "csv"
@@ -834,17 +865,37 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[st
                         str(Path(value["output_path"]) / job) if job else value["output_path"],
                     )
         elif key in ("wandb", "comet"):
-            skip(key, f"no {key} writer: use tensorboard, csv or jsonl")
+            harmless(key, f"no {key} writer: use tensorboard, csv or jsonl")
         elif key == "activation_checkpointing":
-            skip(key, "activation checkpointing is not a config setting in shardax yet")
+            harmless(key, "activation checkpointing is not a config setting in shardax yet")
         elif key in _DS_IGNORED:
-            skip(key, _DS_IGNORED[key])
+            harmless(key, _DS_IGNORED[key])
+        elif key in _DS_HARMLESS:
+            harmless(key, _DS_HARMLESS[key])
         else:
             skip(key, "no shardax setting for it")
+    if changes and not lossy:
+        raise ConfigError(
+            "DeepSpeed config: cannot convert without changing what the run computes: "
+            + "; ".join(changes)
+            + "; pass --lossy (lossy=True) to drop them, listed in the output"
+        )
     return out, unmapped
 
 
-def _ds_zero(zero: Any, put: Callable[..., None], skip: Callable[[str, str], None]) -> None:
+def _ds_enabled(section: Any) -> bool:
+    return isinstance(section, Mapping) and section.get("enabled") not in (None, False, "auto")
+
+
+_DS_HARMLESS = {
+    "zero_allow_untested_optimizer": "no effect here: shardax runs any optimizer",
+    "flops_profiler": "see shardax.monitor (throughput and MFU)",
+    "memory_breakdown": "see shardax.monitor (memory=True)",
+    "dump_state": "no engine state to dump",
+}
+
+
+def _ds_zero(zero: Any, put: Callable[..., None], skip: Callable[..., None]) -> None:
     for key, value in zero.items():
         where = f"zero_optimization.{key}"
         if key == "stage":
@@ -853,15 +904,15 @@ def _ds_zero(zero: Any, put: Callable[..., None], skip: Callable[[str, str], Non
             if value != "auto":
                 put("parallel", "bucket_bytes", int(float(value)) * 4)  # elements of fp32 grads
         elif key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"):
-            skip(where, "shardax has no CPU/NVMe offload yet: the state stays on the device")
+            skip(where, "shardax has no CPU/NVMe offload yet: the state stays on the device", False)
         elif where in _DS_IGNORED:
-            skip(where, _DS_IGNORED[where])
+            skip(where, _DS_IGNORED[where], False)
         else:
             skip(where, "no shardax setting for it")
 
 
 def _ds_precision(
-    key: str, value: Any, put: Callable[..., None], skip: Callable[[str, str], None]
+    key: str, value: Any, put: Callable[..., None], skip: Callable[..., None]
 ) -> None:
     if (
         not isinstance(value, Mapping)
@@ -883,7 +934,9 @@ def _ds_precision(
         elif key == "fp16" and k == "loss_scale_window":
             put("precision", "growth_interval", int(v))
         elif key == "fp16" and k == "hysteresis":
-            skip(where, "the scale backs off at the first overflow (torch.amp.GradScaler's rule)")
+            if int(v) != 1:  # 1: back off at the first overflow, as shardax does
+                skip(where, "the scale backs off at the first overflow (torch.amp.GradScaler's "
+                            "rule), not after hysteresis overflows")  # fmt: skip
         elif key == "fp16" and k == "min_loss_scale":
             skip(where, "the scale has no floor; skipped steps are counted instead")
         else:
@@ -895,7 +948,7 @@ _DS_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "lamb": "lamb", "lion": "lio
                   "cpuadam": "adam", "deepspeedcpuadam": "adam"}  # fmt: skip
 
 
-def _ds_optimizer(opt: Any, put: Callable[..., None], skip: Callable[[str, str], None]) -> None:
+def _ds_optimizer(opt: Any, put: Callable[..., None], skip: Callable[..., None]) -> None:
     kind = str(opt.get("type", "")).lower().replace("_", "")
     if kind not in _DS_OPTIMIZERS:
         skip(f"optimizer.type={opt.get('type')!r}", f"shardax has {', '.join(OPTIMIZERS)}")
@@ -904,9 +957,6 @@ def _ds_optimizer(opt: Any, put: Callable[..., None], skip: Callable[[str, str],
     name = _DS_OPTIMIZERS[kind]
     if name == "adam" and params.pop("adam_w_mode", True):
         name = "adamw"  # DeepSpeed's Adam decouples weight decay unless told not to
-    if name == "adam" and params.get("weight_decay"):
-        skip("optimizer.params.weight_decay", "Adam with L2 weight decay: use AdamW")
-        params.pop("weight_decay")
     put("optimizer", "type", name)
     for k, v in params.items():
         where = f"optimizer.params.{k}"
@@ -925,7 +975,7 @@ def _ds_optimizer(opt: Any, put: Callable[..., None], skip: Callable[[str, str],
 
 
 def _ds_scheduler(
-    sched: Any, ds: Mapping[str, Any], put: Callable[..., None], skip: Callable[[str, str], None]
+    sched: Any, ds: Mapping[str, Any], put: Callable[..., None], skip: Callable[..., None]
 ) -> None:
     kind = sched.get("type")
     p = dict(sched.get("params", {}))
@@ -1068,9 +1118,13 @@ def _config_cli() -> Any:
     @click.argument("path", type=click.Path(dir_okay=False))
     @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
                   help="Write the hjson here (default: stdout).")  # fmt: skip
-    def convert(path: str, output: str | None) -> None:
+    @click.option("--lossy", is_flag=True,
+                  help="Drop keys whose loss changes what the run computes (listed in the "
+                       "output's header) instead of refusing them.")  # fmt: skip
+    def convert(path: str, output: str | None, lossy: bool) -> None:
         """Convert the DeepSpeed config PATH into a shardax run config; keys
-        that cannot be mapped are listed (in the file and on stderr)."""
+        that cannot be mapped are listed (in the file and on stderr), and a
+        key whose loss would change the math is an error unless --lossy."""
         import json
 
         try:
@@ -1079,9 +1133,12 @@ def _config_cli() -> Any:
             raise BadSetting(f"cannot read DeepSpeed config {path!r}: {err}") from None
         if not isinstance(ds, dict):
             raise BadSetting(f"{path!r} is not a JSON object")
-        data, unmapped = from_deepspeed(ds)
         try:
-            RunConfig.from_dict(data, path)  # the result must be a valid config
+            data, unmapped = from_deepspeed(ds, lossy=lossy)
+        except ConfigError as err:
+            raise BadSetting(f"{path}: {err}") from None
+        try:
+            RunConfig.from_text(to_hjson(data), path)  # the result must pass `config check`
         except ConfigError as err:
             raise BadSetting(f"the converted config is invalid: {err}") from None
         text = to_hjson(data, unmapped, path)

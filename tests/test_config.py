@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from shardax.config import (
     RunConfig,
     from_deepspeed,
     load_config,
+    to_hjson,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,9 +188,24 @@ def test_a_config_turns_into_calls():
 
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])
 def test_shared_deepspeed_configs_convert(path):
+    """Each real config converts, or is refused naming every key whose loss
+    would change the math; with lossy=True it converts, those keys listed,
+    and its hjson passes `config check`."""
     ds = json.loads(path.read_text())
-    data, unmapped = from_deepspeed(ds)
-    config = RunConfig.from_dict(data)
+    try:
+        from_deepspeed(ds)
+    except ConfigError as err:
+        text = str(err)
+        assert "cannot convert without changing what the run computes" in text
+        assert "pass --lossy" in text
+        listed = text.split("; pass --lossy")[0]
+        named = re.findall(r"(?:computes: |\); )([A-Za-z_][\w.]*)", listed)
+        assert named, text
+        for key in named:  # each a real key of the file, with its section
+            section, _, leaf = key.partition(".")
+            assert section in ds and (not leaf or leaf.split(".")[-1] in json.dumps(ds)), key
+    data, unmapped = from_deepspeed(ds, lossy=True)
+    config = RunConfig.from_text(to_hjson(data, unmapped, str(path)))
     assert config.parallel.zero == ds["zero_optimization"]["stage"]
     precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16"
     assert config.precision.params == precision
@@ -219,7 +236,9 @@ def test_deepspeed_docs_configs_convert():
     offload = dict(unmapped)
     assert "no CPU/NVMe offload" in offload["zero_optimization.offload_optimizer"]
 
-    data, unmapped = from_deepspeed(DS_DOCS["fp16-warmup-decay"])
+    with pytest.raises(ConfigError, match=r"computes: fp16\.hysteresis .*fp16\.min_loss_scale"):
+        from_deepspeed(DS_DOCS["fp16-warmup-decay"])
+    data, unmapped = from_deepspeed(DS_DOCS["fp16-warmup-decay"], lossy=True)
     config = RunConfig.from_dict(data)
     assert config.precision.params == "fp16" and config.precision.loss_scale == 4096.0
     assert config.precision.dynamic and config.precision.growth_interval == 500
@@ -237,7 +256,9 @@ def test_deepspeed_docs_configs_convert():
     assert lr(0) == pytest.approx(1e-4) and lr(50) == pytest.approx(1e-3)
     assert lr(500) == pytest.approx(1e-5)
 
-    data, unmapped = from_deepspeed(DS_DOCS["one-cycle"])
+    with pytest.raises(ConfigError, match=r"scheduler\.params\.cycle_momentum \(the momentum"):
+        from_deepspeed(DS_DOCS["one-cycle"])
+    data, unmapped = from_deepspeed(DS_DOCS["one-cycle"], lossy=True)
     config = RunConfig.from_dict(data)
     assert config.schedule.type == "one_cycle" and config.optimizer.lr == 1e-2
     assert config.optimizer.momentum == 0.9 and config.monitor.log_every == 50
@@ -250,8 +271,17 @@ def test_deepspeed_docs_configs_convert():
 
     adam = from_deepspeed({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False,
                                                                       "weight_decay": 0.1}}})  # fmt: skip
-    assert adam[0]["optimizer"]["type"] == "adam"
-    assert "use AdamW" in dict(adam[1])["optimizer.params.weight_decay"]
+    assert adam == ({"optimizer": {"type": "adam", "weight_decay": 0.1}}, [])  # L2, faithfully
+    with pytest.raises(ConfigError, match="fp16 and bf16 are both enabled"):
+        from_deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, lossy=True)
+    with pytest.raises(ConfigError, match=r"optimizer\.type='OneBitAdam' \(shardax has adamw"):
+        from_deepspeed({"optimizer": {"type": "OneBitAdam"}})
+    with pytest.raises(ConfigError, match=r"scheduler\.type='LRRangeTest' \(shardax maps"):
+        from_deepspeed({"scheduler": {"type": "LRRangeTest"}})
+    with pytest.raises(ConfigError, match=r"curriculum_learning \(no shardax setting"):
+        from_deepspeed({"curriculum_learning": {"enabled": True}})
+    harmless = from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {}}})
+    assert "no CPU/NVMe offload" in dict(harmless[1])["zero_optimization.offload_param"]
 
 
 def test_config_cli(tmp_path):
@@ -259,10 +289,14 @@ def test_config_cli(tmp_path):
     ds.write_text(json.dumps(DS_DOCS["fp16-warmup-decay"]))
     out = tmp_path / "run.hjson"
     result = CliRunner().invoke(main, ["config", "from-deepspeed", str(ds), "-o", str(out)])
+    assert result.exit_code == 2 and "fp16.hysteresis" in result.output and not out.exists()
+    args = ["config", "from-deepspeed", str(ds), "-o", str(out), "--lossy"]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "not mapped: wandb: no wandb writer" in result.output
     text = out.read_text()
     assert text.startswith("// converted from") and "//   fp16.hysteresis:" in text
+    assert "[changes the math]" in text.split("fp16.hysteresis:")[1].splitlines()[0]
     result = CliRunner().invoke(main, ["config", "check", str(out), "--world-size", "4"])
     assert result.exit_code == 0, result.output
     assert "batch: global 64 = micro 4 x accumulation 4 x data-parallel 4" in result.output
@@ -282,7 +316,7 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
     DeepSpeed config) on 2 ranks: the loss goes down, a checkpoint is saved."""
     source = DS_DIR / "model_Megatron_GPT2_ds_config_func_bs8_zero2_gas3.json"
     run = tmp_path / "run.hjson"
-    CliRunner().invoke(main, ["config", "from-deepspeed", str(source), "-o", str(run)])
+    CliRunner().invoke(main, ["config", "from-deepspeed", str(source), "-o", str(run), "--lossy"])
     done = subprocess.run(
         [sys.executable, "-m", "shardax", "launch", "--nproc-per-node", "2",
          "examples/train_gpt.py", "--config", str(run), "--preset", "tiny", "--steps", "6",

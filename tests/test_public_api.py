@@ -259,7 +259,7 @@ CLI = {
     "shardax ckpt": [],
     "shardax config": [],
     "shardax config check": ["--model", "--world-size"],
-    "shardax config from-deepspeed": ["--output", "-o"],
+    "shardax config from-deepspeed": ["--lossy", "--output", "-o"],
     "shardax report": ["--json"],
     "shardax ckpt consolidate": ["--buffer-mib", "--dtype", "--force", "--only", "--quiet", "-q"],
     "shardax ckpt import": [
