@@ -223,7 +223,8 @@ class ScheduleConfig:
 class PrecisionConfig:
     """The params' dtype; master weights in fp32 for bf16/fp16; dynamic
     loss scaling for fp16 (``loss_scale``: initial scale, ``None`` for
-    dynamic from 2**16, or a fixed number with ``dynamic: false``)."""
+    dynamic from 2**16, or a fixed number with ``dynamic: false``), with
+    DeepSpeed's ``hysteresis`` and ``min_loss_scale`` as options."""
 
     params: str = attrs.field(default="fp32", validator=_in(PRECISIONS))
     master_weights: bool = attrs.field(default=True, converter=_as_bool("master_weights"))
@@ -235,6 +236,10 @@ class PrecisionConfig:
         default=2000, converter=_as_int("growth_interval"), validator=_positive
     )
     backoff_factor: float = attrs.field(default=0.5, converter=_as_float("backoff_factor"))
+    hysteresis: int = attrs.field(default=1, converter=_as_int("hysteresis"), validator=_positive)
+    min_loss_scale: float = attrs.field(
+        default=0.0, converter=_as_float("min_loss_scale"), validator=_non_negative
+    )
 
 
 class ResolvedBatch(NamedTuple):
@@ -568,7 +573,11 @@ class RunConfig:
         if not p.dynamic:
             return optim.DynamicLossScale(p.loss_scale, growth_interval=2**31 - 1)
         return optim.DynamicLossScale(
-            p.loss_scale, growth_interval=p.growth_interval, backoff_factor=p.backoff_factor
+            p.loss_scale,
+            growth_interval=p.growth_interval,
+            backoff_factor=p.backoff_factor,
+            hysteresis=p.hysteresis,
+            min_scale=min(p.min_loss_scale, p.loss_scale),
         )
 
     def plan(self, world_size: int) -> str:
@@ -921,6 +930,10 @@ def _ds_precision(
     ):
         return
     put("precision", "params", key)
+    if key == "fp16":  # DeepSpeed's defaults for what the file leaves out
+        put("precision", "growth_interval", 1000)
+        put("precision", "hysteresis", 2)
+        put("precision", "min_loss_scale", 1.0)
     for k, v in value.items():
         where = f"{key}.{k}"
         if k == "enabled":
@@ -934,11 +947,13 @@ def _ds_precision(
         elif key == "fp16" and k == "loss_scale_window":
             put("precision", "growth_interval", int(v))
         elif key == "fp16" and k == "hysteresis":
-            if int(v) != 1:  # 1: back off at the first overflow, as shardax does
-                skip(where, "the scale backs off at the first overflow (torch.amp.GradScaler's "
-                            "rule), not after hysteresis overflows")  # fmt: skip
+            put("precision", "hysteresis", int(v))
         elif key == "fp16" and k == "min_loss_scale":
-            skip(where, "the scale has no floor; skipped steps are counted instead")
+            put("precision", "min_loss_scale", float(v))
+        elif key == "fp16" and k == "consecutive_hysteresis":
+            if v:
+                skip(where, "the hysteresis is restored when the scale grows, not at every "
+                            "finite step")  # fmt: skip
         else:
             skip(where, "no shardax setting for it")
 

@@ -236,10 +236,9 @@ def test_deepspeed_docs_configs_convert():
     offload = dict(unmapped)
     assert "no CPU/NVMe offload" in offload["zero_optimization.offload_optimizer"]
 
-    with pytest.raises(ConfigError, match=r"computes: fp16\.hysteresis .*fp16\.min_loss_scale"):
-        from_deepspeed(DS_DOCS["fp16-warmup-decay"])
-    data, unmapped = from_deepspeed(DS_DOCS["fp16-warmup-decay"], lossy=True)
+    data, unmapped = from_deepspeed(DS_DOCS["fp16-warmup-decay"])
     config = RunConfig.from_dict(data)
+    assert (config.precision.hysteresis, config.precision.min_loss_scale) == (2, 1.0)
     assert config.precision.params == "fp16" and config.precision.loss_scale == 4096.0
     assert config.precision.dynamic and config.precision.growth_interval == 500
     assert config.optimizer.type == "adamw" and config.optimizer.weight_decay == 0.01
@@ -248,7 +247,12 @@ def test_deepspeed_docs_configs_convert():
     assert lr(100) == pytest.approx(2e-4) and lr(550) == pytest.approx(1e-4)
     assert config.monitor.writers == ("stdout", "tensorboard", "csv")
     assert config.monitor.dir == "logs/gpt"
-    assert [k for k, _ in unmapped] == ["fp16.hysteresis", "fp16.min_loss_scale", "wandb"]
+    assert [k for k, _ in unmapped] == ["wandb"]
+    # what DeepSpeed does when the file leaves them out: window 1000, hysteresis 2, floor 1
+    defaults = RunConfig.from_dict(from_deepspeed({"fp16": {"enabled": True}})[0]).precision
+    assert (defaults.growth_interval, defaults.hysteresis, defaults.min_loss_scale) == (1000, 2, 1)
+    ls = RunConfig.from_dict(data).make_loss_scale()
+    assert (ls.hysteresis, ls.min_scale, ls.growth_interval) == (2, 1.0, 500)
 
     config = RunConfig.from_dict(from_deepspeed(DS_DOCS["cosine"])[0])
     assert config.optimizer.type == "lamb" and config.monitor.comm
@@ -286,17 +290,17 @@ def test_deepspeed_docs_configs_convert():
 
 def test_config_cli(tmp_path):
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps(DS_DOCS["fp16-warmup-decay"]))
+    ds.write_text(json.dumps({**DS_DOCS["fp16-warmup-decay"], "curriculum_learning": {}}))
     out = tmp_path / "run.hjson"
     result = CliRunner().invoke(main, ["config", "from-deepspeed", str(ds), "-o", str(out)])
-    assert result.exit_code == 2 and "fp16.hysteresis" in result.output and not out.exists()
+    assert result.exit_code == 2 and "curriculum_learning" in result.output and not out.exists()
     args = ["config", "from-deepspeed", str(ds), "-o", str(out), "--lossy"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "not mapped: wandb: no wandb writer" in result.output
     text = out.read_text()
-    assert text.startswith("// converted from") and "//   fp16.hysteresis:" in text
-    assert "[changes the math]" in text.split("fp16.hysteresis:")[1].splitlines()[0]
+    assert text.startswith("// converted from") and "//   curriculum_learning:" in text
+    assert "[changes the math]" in text.split("curriculum_learning:")[1].splitlines()[0]
     result = CliRunner().invoke(main, ["config", "check", str(out), "--world-size", "4"])
     assert result.exit_code == 0, result.output
     assert "batch: global 64 = micro 4 x accumulation 4 x data-parallel 4" in result.output
@@ -316,7 +320,7 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
     DeepSpeed config) on 2 ranks: the loss goes down, a checkpoint is saved."""
     source = DS_DIR / "model_Megatron_GPT2_ds_config_func_bs8_zero2_gas3.json"
     run = tmp_path / "run.hjson"
-    CliRunner().invoke(main, ["config", "from-deepspeed", str(source), "-o", str(run), "--lossy"])
+    CliRunner().invoke(main, ["config", "from-deepspeed", str(source), "-o", str(run)])
     done = subprocess.run(
         [sys.executable, "-m", "shardax", "launch", "--nproc-per-node", "2",
          "examples/train_gpt.py", "--config", str(run), "--preset", "tiny", "--steps", "6",

@@ -148,6 +148,9 @@ class _LossScaleFields(NamedTuple):
     growth_tracker: int
     finite: bool
     skipped: int
+    hysteresis: int
+    min_scale: float
+    hysteresis_left: int
 
 
 class DynamicLossScale(_LossScaleFields):
@@ -155,7 +158,11 @@ class DynamicLossScale(_LossScaleFields):
     ``torch.amp.GradScaler``: multiply the loss by ``scale``; unscale the
     gradients; if any is NaN or inf — on *any* rank — skip the step and
     multiply the scale by ``backoff_factor``; after ``growth_interval``
-    finite steps in a row, multiply it by ``growth_factor``.
+    finite steps in a row, multiply it by ``growth_factor``. DeepSpeed's
+    two refinements are options: ``hysteresis`` (back off only at the
+    ``hysteresis``-th non-finite step since the scale last grew; the steps
+    are skipped all the same) and ``min_scale`` (the scale never backs off
+    below it).
 
     A frozen value (a NamedTuple, so a pytree you can checkpoint): each
     method returns a new one. ``finite`` says whether the last step was
@@ -166,6 +173,9 @@ class DynamicLossScale(_LossScaleFields):
         growth_interval: finite steps in a row before the scale grows.
         growth_factor: the growth multiplier (> 1).
         backoff_factor: the multiplier after a non-finite step (in (0, 1)).
+        hysteresis: non-finite steps that back off the scale only at the
+            last of them (DeepSpeed's ``hysteresis``; 1: at once).
+        min_scale: the floor of backing off (DeepSpeed's ``min_loss_scale``).
 
     >>> import torch
     >>> from shardax import optim
@@ -189,6 +199,9 @@ class DynamicLossScale(_LossScaleFields):
         growth_tracker: int = 0,
         finite: bool = True,
         skipped: int = 0,
+        hysteresis: int = 1,
+        min_scale: float = 0.0,
+        hysteresis_left: int | None = None,
     ) -> DynamicLossScale:
         scale = float(scale)
         if not (scale > 0 and scale != float("inf")):
@@ -201,6 +214,10 @@ class DynamicLossScale(_LossScaleFields):
             raise ValueError(f"growth_factor must be > 1; got {growth_factor!r}")
         if not 0.0 < float(backoff_factor) < 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor!r}")
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1; got {hysteresis!r}")
+        if not 0.0 <= float(min_scale) <= scale:
+            raise ValueError(f"min_scale must be in [0, scale={scale}]; got {min_scale!r}")
         return super().__new__(
             cls,
             scale,
@@ -210,6 +227,9 @@ class DynamicLossScale(_LossScaleFields):
             int(growth_tracker),
             bool(finite),
             int(skipped),
+            hysteresis,
+            float(min_scale),
+            hysteresis if hysteresis_left is None else int(hysteresis_left),
         )
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -242,18 +262,22 @@ class DynamicLossScale(_LossScaleFields):
         >>> from shardax import optim
         >>> optim.DynamicLossScale(4.0, growth_interval=1).adjust(True).scale
         8.0
+        >>> ls = optim.DynamicLossScale(4.0, hysteresis=2, min_scale=1.0).adjust(False)
+        >>> ls.scale, ls.finite, ls.adjust(False).scale     # backs off at the 2nd overflow
+        (4.0, False, 2.0)
         """
         if not finite:
-            return self._replace(
-                scale=self.scale * self.backoff_factor,
-                growth_tracker=0,
-                finite=False,
-                skipped=self.skipped + 1,
-            )
+            skipped = self._replace(growth_tracker=0, finite=False, skipped=self.skipped + 1)
+            if self.hysteresis_left > 1:  # DeepSpeed's hysteresis: not yet
+                return skipped._replace(hysteresis_left=self.hysteresis_left - 1)
+            return skipped._replace(scale=max(self.scale * self.backoff_factor, self.min_scale))
         tracker = self.growth_tracker + 1
         if tracker == self.growth_interval:
             return self._replace(
-                scale=self.scale * self.growth_factor, growth_tracker=0, finite=True
+                scale=self.scale * self.growth_factor,
+                growth_tracker=0,
+                finite=True,
+                hysteresis_left=self.hysteresis,
             )
         return self._replace(growth_tracker=tracker, finite=True)
 
@@ -265,7 +289,7 @@ class DynamicLossScale(_LossScaleFields):
         >>> from shardax import optim
         >>> import torch
         >>> optim.DynamicLossScale(2.0).unscale_and_adjust(torch.tensor([4.0]))
-        (tensor([2.]), DynamicLossScale(scale=2.0, growth_interval=2000, growth_factor=2.0, backoff_factor=0.5, growth_tracker=1, finite=True, skipped=0))
+        (tensor([2.]), DynamicLossScale(scale=2.0, growth_interval=2000, growth_factor=2.0, backoff_factor=0.5, growth_tracker=1, finite=True, skipped=0, hysteresis=1, min_scale=0.0, hysteresis_left=1))
         """
         unscaled = self.unscale(grads)
         return unscaled, self.adjust(all_finite(unscaled))

@@ -155,3 +155,21 @@ def test_master_weights_and_accumulation_on_zero1_shards_equal_dense():
         for k in params:
             assert torch.equal(r["params"][k], params[k]), f"rank {rank}: {k}"
             torch.testing.assert_close(r["master"][k], state.inner_state.master[k])
+
+
+def test_hysteresis_and_the_floor_follow_deepspeed():
+    """DeepSpeed's DynamicLossScaler: with hysteresis 2 the scale backs off at
+    the 2nd overflow since it last grew (both steps skipped), at every later
+    one until it grows again, and never below min_scale."""
+    ls = optim.DynamicLossScale(8.0, growth_interval=2, hysteresis=2, min_scale=2.0)
+    seen = []
+    for finite in [False, False, False, True, True, False, False, False]:
+        ls = ls.adjust(finite)
+        seen.append((ls.scale, ls.finite))
+    assert seen == [(8.0, False), (4.0, False), (2.0, False), (2.0, True), (4.0, True),
+                    (4.0, False), (2.0, False), (2.0, False)]  # fmt: skip
+    assert ls.skipped == 6
+    with pytest.raises(ValueError, match="hysteresis must be an int >= 1"):
+        optim.DynamicLossScale(hysteresis=0)
+    with pytest.raises(ValueError, match="min_scale must be in"):
+        optim.DynamicLossScale(4.0, min_scale=8.0)
