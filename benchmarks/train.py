@@ -5,6 +5,9 @@ tinyshakespeare bytes, from the same seed, with the same AdamW (lr 3e-4,
 betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter, fp32),
 once per mode:
 
+- ``limit``: no communication at all — each rank trains its own replica
+  with the same step (``torch.optim.AdamW``): the compute-only limit that
+  every row's ``of_limit`` is a fraction of;
 - ``ddp``: ``DistributedDataParallel`` over gloo;
 - ``fsdp2``: ``fully_shard`` on every block, then on the root (a CPU
   ``DeviceMesh``);
@@ -40,7 +43,9 @@ once per mode:
   backend (unchecked tokens/s over checked, minus 1).
 
 Every (mode, repeat) runs in fresh rank processes started by ``shardax
-launch`` (peak RSS is a lifetime maximum), and modes are interleaved across
+launch`` (peak RSS is a lifetime maximum), each with the same environment —
+``OMP_NUM_THREADS`` and glibc's ``MALLOC_MMAP_THRESHOLD_`` (4 MiB, the
+setting ``sx.init()`` otherwise makes for shardax's modes alone) — , and modes are interleaved across
 repeats (A B C, A B C, …) because the host is noisy. Each run builds the
 model, takes ``--warmup`` untimed steps, then times ``--steps`` steps, each
 between two barriers. It prints one JSON line per run: global tokens/s,
@@ -101,6 +106,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     ),
 }
 ALL_MODES = [
+    "limit",
     "ddp",
     "fsdp2",
     *(f"deepspeed{s}" for s in range(4)),
@@ -150,6 +156,15 @@ def setup_ddp(cfg: GPTConfig, seed: int) -> Step:
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(_dense_model(cfg, seed))
+    return _torch_step(model, _torch_adamw(model.parameters()))
+
+
+def setup_limit(cfg: GPTConfig, seed: int) -> Step:
+    """The compute-only limit: the same model, batch and ``torch.optim.AdamW``
+    step with no communication at all — each rank trains its own replica.
+    No data-parallel mode can be faster; each row's ``of_limit`` is its
+    fraction of this one."""
+    model = _dense_model(cfg, seed)
     return _torch_step(model, _torch_adamw(model.parameters()))
 
 
@@ -283,6 +298,8 @@ def setup(mode: str, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
     """Build ``mode``'s model and optimizer on this rank; return its step."""
     if mode == "ddp":
         return setup_ddp(cfg, seed)
+    if mode == "limit":
+        return setup_limit(cfg, seed)
     if mode == "fsdp2":
         return setup_fsdp2(cfg, seed)
     if mode.startswith("deepspeed"):
@@ -469,6 +486,9 @@ def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
             if getattr(args, flag) is not None:
                 argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": "cpu"}
+        # The allocator setting sx.init() makes (tune_allocator: blocks from 4 MiB up
+        # straight from mmap), given to every mode: the anchors run with it too.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 * 2**20))
         env.update(VARIANTS.get(mode, (mode, {}))[1])
         started = time.perf_counter()
         code = launch(
@@ -499,6 +519,8 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
             "repeats": len(ok),
         }
     for stats in per_mode.values():
+        if "limit" in per_mode:  # the fraction of the compute-only limit
+            stats["of_limit"] = stats["tokens_per_s"] / per_mode["limit"]["tokens_per_s"]
         for anchor in ANCHORS:
             if anchor in per_mode:
                 base = per_mode[anchor]
@@ -533,11 +555,13 @@ def print_table(summary: dict, file=sys.stderr) -> None:
     anchors = [a for a in ANCHORS if a in summary["summary"]]
     short = {"fsdp2": "fsdp2", "deepspeed3": "ds3", "deepspeed2": "ds2"}
     head = f"{'mode':<24}{'tokens/s':>10}{'step ms':>9}{'peak MiB':>10}{'first loss':>12}"
+    head += f"{'of limit':>10}" if "limit" in summary["summary"] else ""
     head += "".join(f"{'tok/s/' + short[a]:>13}{'rss/' + short[a]:>11}" for a in anchors)
     print(head, file=file)
     for mode, s in summary["summary"].items():
         line = f"{mode:<24}{s['tokens_per_s']:>10.0f}{s['step_s'] * 1e3:>9.1f}"
         line += f"{s['peak_rss_mib']:>10.0f}{s['first_loss']:>12.5f}"
+        line += f"{s['of_limit']:>10.2f}" if "of_limit" in s else ""
         for a in anchors:
             line += f"{s[f'tokens_per_s_vs_{a}']:>13.2f}{s[f'peak_rss_vs_{a}']:>11.2f}"
         print(line, file=file)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE_MODES = {"ddp", "fsdp2", "shardax0", "shardax1", "shardax2", "shardax3"}
+SMOKE_MODES = {"limit", "ddp", "fsdp2", "shardax0", "shardax1", "shardax2", "shardax3"}
 SMOKE_MODES |= {"shardax-tp", "shardax-tp-sp", "shardax-ulysses"}
 SMOKE_MODES |= {"shardax3-unchecked", "shardax3-gloo", "shardax3-gloo-unchecked"}
 
@@ -64,6 +64,7 @@ def test_train_benchmark_smoke(tmp_path):
     assert "warning" not in summary, summary["warning"]
     assert summary["first_loss_spread"] <= 1e-4
     assert stats["fsdp2"]["tokens_per_s_vs_fsdp2"] == 1.0
+    assert stats["limit"]["of_limit"] == 1.0 and all("of_limit" in s for s in stats.values())
     assert set(summary["collective_check_cost"]) == {"shardax3", "shardax3-gloo"}
     # the variants train the same model the same way: the same losses
     for variant in ("shardax3-unchecked", "shardax3-gloo", "shardax3-gloo-unchecked"):
