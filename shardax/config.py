@@ -101,11 +101,6 @@ def _as_float(name: str) -> Callable[[Any], float]:
     return convert
 
 
-def _as_optional_float(name: str) -> Callable[[Any], float | None]:
-    number = _as_float(name)
-    return lambda value: None if value is None else number(value)
-
-
 def _as_bool(name: str) -> Callable[[Any], bool]:
     def convert(value: Any) -> bool:
         if not isinstance(value, bool):
@@ -124,32 +119,21 @@ def _as_str(name: str) -> Callable[[Any], str]:
     return convert
 
 
-def _as_optional_str(name: str) -> Callable[[Any], str | None]:
-    text = _as_str(name)
-    return lambda value: None if value is None else text(value)
+def _optional(convert: Callable[[str], Callable[[Any], Any]], name: str) -> Callable[[Any], Any]:
+    """``convert(name)``, letting ``None`` (the key's "not set") through."""
+    inner = convert(name)
+    return lambda value: None if value is None else inner(value)
 
 
-def _as_optional_int(name: str) -> Callable[[Any], int | None]:
-    integer = _as_int(name)
-    return lambda value: None if value is None else integer(value)
+def _list_of(convert: Callable[[str], Callable[[Any], Any]], name: str) -> Callable[[Any], tuple]:
+    """A list whose items each pass ``convert``, named ``name[i]`` in errors."""
 
-
-def _as_floats(name: str) -> Callable[[Any], tuple[float, ...]]:
-    def convert(value: Any) -> tuple[float, ...]:
+    def check(value: Any) -> tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name} is a list of numbers; got {value!r}")
-        return tuple(_as_float(f"{name}[{i}]")(v) for i, v in enumerate(value))
+            raise ConfigError(f"{name} is a list; got {value!r}")
+        return tuple(convert(f"{name}[{i}]")(v) for i, v in enumerate(value))
 
-    return convert
-
-
-def _as_strs(name: str) -> Callable[[Any], tuple[str, ...]]:
-    def convert(value: Any) -> tuple[str, ...]:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name} is a list of strings; got {value!r}")
-        return tuple(_as_str(f"{name}[{i}]")(v) for i, v in enumerate(value))
-
-    return convert
+    return check
 
 
 @attrs.frozen
@@ -161,9 +145,9 @@ class ParallelConfig:
 
     zero: int = attrs.field(default=0, converter=_as_int("zero"))
     zero_axis: str = attrs.field(default="dp", converter=_as_str("zero_axis"))
-    tp: str | None = attrs.field(default=None, converter=_as_optional_str("tp"))
+    tp: str | None = attrs.field(default=None, converter=_optional(_as_str, "tp"))
     sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
-    sp: str | None = attrs.field(default=None, converter=_as_optional_str("sp"))
+    sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
     bucket_bytes: int = attrs.field(
         default=25 * 2**20, converter=_as_int("bucket_bytes"), validator=_positive
     )
@@ -182,14 +166,16 @@ class OptimizerConfig:
 
     type: str = attrs.field(default="adamw", validator=_in(OPTIMIZERS))
     lr: float = attrs.field(default=1e-3, converter=_as_float("lr"), validator=_positive)
-    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=_as_floats("betas"))
+    betas: tuple[float, float] = attrs.field(
+        default=(0.9, 0.999), converter=_list_of(_as_float, "betas")
+    )
     eps: float = attrs.field(default=1e-8, converter=_as_float("eps"))
     weight_decay: float = attrs.field(
         default=0.0, converter=_as_float("weight_decay"), validator=_non_negative
     )
     momentum: float = attrs.field(default=0.0, converter=_as_float("momentum"))
     clip_global_norm: float | None = attrs.field(
-        default=None, converter=_as_optional_float("clip_global_norm"), validator=_positive
+        default=None, converter=_optional(_as_float, "clip_global_norm"), validator=_positive
     )
 
     def __attrs_post_init__(self) -> None:
@@ -209,7 +195,7 @@ class ScheduleConfig:
         default=0, converter=_as_int("warmup_steps"), validator=_non_negative
     )
     total_steps: int | None = attrs.field(
-        default=None, converter=_as_optional_int("total_steps"), validator=_positive
+        default=None, converter=_optional(_as_int, "total_steps"), validator=_positive
     )
     init_lr: float = attrs.field(default=0.0, converter=_as_float("init_lr"))
     end_lr: float = attrs.field(default=0.0, converter=_as_float("end_lr"))
@@ -257,13 +243,13 @@ class BatchConfig:
     step): give any two and :meth:`resolve` computes the third."""
 
     global_size: int | None = attrs.field(
-        default=None, converter=_as_optional_int("global"), validator=_positive
+        default=None, converter=_optional(_as_int, "global"), validator=_positive
     )
     micro: int | None = attrs.field(
-        default=None, converter=_as_optional_int("micro"), validator=_positive
+        default=None, converter=_optional(_as_int, "micro"), validator=_positive
     )
     accumulation: int | None = attrs.field(
-        default=None, converter=_as_optional_int("accumulation"), validator=_positive
+        default=None, converter=_optional(_as_int, "accumulation"), validator=_positive
     )
 
     def resolve(self, dp_size: int) -> ResolvedBatch:
@@ -325,13 +311,15 @@ class MonitorConfig:
     ``peak_tflops`` per rank for MFU. All off but stdout by default."""
 
     log_every: int = attrs.field(default=25, converter=_as_int("log_every"), validator=_positive)
-    writers: tuple[str, ...] = attrs.field(default=("stdout",), converter=_as_strs("writers"))
+    writers: tuple[str, ...] = attrs.field(
+        default=("stdout",), converter=_list_of(_as_str, "writers")
+    )
     dir: str = attrs.field(default="runs/run", converter=_as_str("dir"))
     timers: bool = attrs.field(default=False, converter=_as_bool("timers"))
     comm: bool = attrs.field(default=False, converter=_as_bool("comm"))
     memory: bool = attrs.field(default=False, converter=_as_bool("memory"))
     peak_tflops: float | None = attrs.field(
-        default=None, converter=_as_optional_float("peak_tflops"), validator=_positive
+        default=None, converter=_optional(_as_float, "peak_tflops"), validator=_positive
     )
     progress: bool = attrs.field(default=False, converter=_as_bool("progress"))
 
