@@ -7,9 +7,12 @@ differs, a rank that skipped a collective and is one ahead — a backend
 either returns wrong numbers, hangs, or aborts the process (gloo). So before
 a collective's data moves, its *signature* is compared across the group:
 each member contributes a small fixed-size vector of int64 (:data:`WIDTH`)
-through the group's own backend (one tiny all-gather: always the same size,
-so it is safe whatever the members were about to do), and every member
-checks every row. A mismatch raises :class:`~shardax.errors.CollectiveMismatchError`
+through the group's own backend, and every member checks every row. On
+gloo, NCCL and CuPy that is one tiny all-gather (always the same size, so
+it is safe whatever the members were about to do); on shared memory each
+member writes its vector into its control block of the segment and reads
+the others' there (``sx_agree`` in ``kernels/csrc/shm.cpp``: no extra
+collective). A mismatch raises :class:`~shardax.errors.CollectiveMismatchError`
 on **every** member, naming each member's op, dtype, shape, axes and, where
 known, the key path being moved; the data never moves.
 
@@ -57,8 +60,8 @@ from ..errors import CollectiveError, CollectiveMismatchError
 from ._group import Group
 
 __all__ = [
-    "WIDTH", "Call", "agree", "checks_enabled", "describe", "moving", "moving_now", "settle",
-    "signature", "splits_row", "verify", "verify_splits",
+    "AGREED", "WIDTH", "Call", "agree", "checks_enabled", "describe", "moving", "moving_now",
+    "settle", "settle_splits", "signature", "splits_row", "verify", "verify_splits",
 ]  # fmt: skip
 
 WIDTH = 16  # int64 per member
@@ -77,6 +80,8 @@ _MAX_DIMS = 5
 _SEQ, _OP, _CALL, _REDUCE, _DTYPE, _AXES, _COUNT, _ROOT = 1, 2, 3, 4, 5, 6, 7, 8
 _WHAT, _NDIM, _DIMS = 9, 10, 11
 _AGREED = (0, _SEQ, _OP, _CALL, _REDUCE, _DTYPE, _AXES, _COUNT, _ROOT)
+AGREED = len(_AGREED)  # the compared fields lead the vector: a backend compares a prefix
+assert tuple(range(AGREED)) == _AGREED
 _FIELDS = (("version", 0), ("collective number", _SEQ), ("op", _OP), ("backend call", _CALL),
            ("reduction", _REDUCE), ("dtype", _DTYPE), ("axes", _AXES), ("element count", _COUNT),
            ("root", _ROOT))  # fmt: skip
@@ -208,9 +213,9 @@ def _code(table: Sequence[str], name: str) -> int:
 
 def signature(
     group: Group, op: str, seq: int, call: Call, shape: Sequence[int] | None = None
-) -> torch.Tensor:
-    """This member's signature of collective ``seq`` on ``group`` (an int64
-    vector of :data:`WIDTH`, on the call's device). ``shape``: the user's
+) -> tuple[int, ...]:
+    """This member's signature of collective ``seq`` on ``group``: :data:`WIDTH`
+    int64, the :data:`AGREED` compared fields first. ``shape``: the user's
     tensor shape, for messages (the buffer's length otherwise)."""
     dims = list(shape) if shape is not None else [call.count]
     what = _MOVING.get()
@@ -225,7 +230,7 @@ def signature(
         *[int(d) for d in dims[:_MAX_DIMS]],
     ]  # fmt: skip
     row += [-1] * (WIDTH - len(row))
-    return torch.tensor(row, dtype=torch.int64, device=call.device)
+    return tuple(row)
 
 
 def _name(table: Sequence[str], code: int) -> str:
@@ -257,12 +262,11 @@ def _render(row: Sequence[int], axes: dict[int, str], whats: dict[int, str]) -> 
     return text
 
 
-def verify(table: torch.Tensor, group: Group, mine: torch.Tensor, what: str = "") -> None:
-    """Raise :class:`CollectiveMismatchError` unless every member's row of
-    ``table`` (``[n, WIDTH]``, member order) agrees with this one's.
-    ``what``: what this member's collective moves (:func:`moving`, taken
-    when it was issued: this may run on a backend's worker thread)."""
-    rows = table.cpu().tolist()
+def verify(rows: Sequence[Sequence[int]], group: Group, what: str = "") -> None:
+    """Raise :class:`CollectiveMismatchError` unless every member's row
+    (member order) agrees with this one's. ``what``: what this member's
+    collective moves (:func:`moving`, taken when it was issued: this may run
+    on a backend's worker thread)."""
     me = rows[group.index]
     if all(all(r[i] == me[i] for i in _AGREED) for r in rows):
         return
@@ -317,32 +321,43 @@ def splits_row(call: Call, n: int, device: torch.device) -> torch.Tensor:
 
 
 def settle(
-    sig: torch.Tensor,
+    sig: Sequence[int],
     call: Call,
     group: Group,
     what: str,
     gather: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> None:
     """Agree on ``sig`` across ``group`` through ``gather(out, x)`` (every
-    member's ``x`` into ``out``, member order): one all-gather of the rows,
-    each checked (:func:`verify` raises); an all-to-all's splits are then
-    gathered and checked pairwise.
+    member's ``x`` into ``out``, member order, on the call's device): one
+    all-gather of the rows, each checked (:func:`verify` raises); an
+    all-to-all's splits are then gathered and checked pairwise
+    (:func:`settle_splits`).
 
     One all-gather of 16 int64 it is: on gloo an all-reduce of the rows'
     extremes (``max`` of ``[sig, -sig]``) measured slower (gloo's
-    all-reduce of 32 elements costs twice its all-gather of 16 here), and on
-    shared memory the two cost the same."""
-    table = sig.new_empty((group.size, WIDTH))
-    gather(table.view(-1), sig)
-    verify(table, group, sig, what)
-    if call.call == "all_to_all":
-        sent = splits_row(call, group.size, sig.device)
-        splits = sent.new_empty((group.size, sent.numel()))
-        gather(splits.view(-1), sent)
-        verify_splits(splits, group, what)
+    all-reduce of 32 elements costs twice its all-gather of 16 here)."""
+    mine = torch.tensor(sig, dtype=torch.int64, device=call.device)
+    table = mine.new_empty((group.size, WIDTH))
+    gather(table.view(-1), mine)
+    verify(table.tolist(), group, what)
+    settle_splits(call, group, what, gather)
 
 
-def agree(backend: Any, sig: torch.Tensor, call: Call, group: Group) -> None:
+def settle_splits(
+    call: Call, group: Group, what: str, gather: Callable[[torch.Tensor, torch.Tensor], None]
+) -> None:
+    """An all-to-all's pieces, checked pairwise on every member (nothing for
+    other calls): what each member sends to each, then what it expects from
+    each, gathered through ``gather`` (:func:`verify_splits` raises)."""
+    if call.call != "all_to_all":
+        return
+    sent = splits_row(call, group.size, call.device)
+    splits = sent.new_empty((group.size, sent.numel()))
+    gather(splits.view(-1), sent)
+    verify_splits(splits, group, what)
+
+
+def agree(backend: Any, sig: Sequence[int], call: Call, group: Group) -> None:
     """Agree on ``sig`` through ``backend``, blocking (:func:`settle`)."""
     settle(
         sig, call, group, _MOVING.get(),

@@ -96,7 +96,7 @@ class Backend(Protocol):
         ...
 
     def agreed(
-        self, sig: torch.Tensor, call: Call, group: Group, issue: Callable[[], Pending]
+        self, sig: Sequence[int], call: Call, group: Group, issue: Callable[[], Pending]
     ) -> Pending:
         """``issue()`` (the collective ``call``), once every member's
         signature ``sig`` agrees with this one's (:mod:`._agree`); a mismatch

@@ -254,7 +254,7 @@ class CupyBackend:
         return Pending([_Recorded(host=True)])
 
     def agreed(
-        self, sig: torch.Tensor, call: Call, group: Group, issue: Callable[[], Pending]
+        self, sig: Sequence[int], call: Call, group: Group, issue: Callable[[], Pending]
     ) -> Pending:
         """Off by default on GPU transports (``SHARDAX_CHECK_COLLECTIVES=1``
         turns it on): the exchange waits for the host."""

@@ -20,6 +20,10 @@ while it is still in cache; there is no barrier between chunks or
 collectives (counters only grow, and every member issues the same
 collectives in the same order) and no result area. Only an all-to-all
 meets the others at a barrier first, to check what each member sends.
+Where the group checks its collectives (:mod:`._agree`), each is preceded,
+in the same work, by ``sx_agree``: every member writes its signature into
+its control block and compares the others' there, so a mismatch raises on
+every member before any data moves.
 
 The native calls run on one worker thread per backend, in issue order, with
 the GIL released: a collective returns at once, its
@@ -59,7 +63,7 @@ from typing import Any
 import torch
 
 from . import _hierarchical
-from ._agree import moving_now, settle
+from ._agree import AGREED, WIDTH, moving_now, settle_splits, verify
 from ._backend import Pending
 from ._group import Group
 
@@ -85,7 +89,7 @@ class _Control(ctypes.Structure):
         ("base", ctypes.c_void_p), ("n", _I64), ("me", _I64), ("slot_off", _I64),
         ("slot_bytes", _I64), ("chunk_bytes", _I64), ("ring", _I64), ("table_off", _I64),
         ("timeout_us", _I64), ("pids", _P64), ("missing", ctypes.POINTER(ctypes.c_int32)),
-        ("chunks", ctypes.c_uint64), ("barriers", ctypes.c_uint64)
+        ("chunks", ctypes.c_uint64), ("barriers", ctypes.c_uint64), ("signs", ctypes.c_uint64)
     ]  # fmt: skip
 
 
@@ -102,6 +106,7 @@ def _lib() -> Any:
             "sx_reduce_scatter": [seg, ptr, ptr, i64, _P64, i32, i32],
             "sx_broadcast": [seg, ptr, i64, i64],
             "sx_all_to_all": [seg, ptr, ptr, _P64, _P64, _P64, _P64, i64, _P64],
+            "sx_agree": [seg, _P64, i64, i64, _P64],
         }
         for name, args in signatures.items():
             getattr(lib, name).argtypes = args
@@ -189,7 +194,7 @@ class _Segment:
         self.missing = (ctypes.c_int32 * n)()
         self.control = _Control(
             self.bytes.data_ptr(), n, me, slot_off, chunk * ring, chunk, ring, table_off, 0,
-            self.pids, self.missing, 0, 0,
+            self.pids, self.missing, 0, 0, 0,
         )  # fmt: skip
         self.ref = ctypes.byref(self.control)
 
@@ -438,29 +443,36 @@ class ShmBackend:
 
         return self._worker.submit(run, keep)
 
-    # -- agreement (``_agree``): a tiny all-gather of signatures on the worker ---------
+    # -- agreement (``_agree``): signatures through the segment, on the worker ---------
 
     def agreed(
-        self, sig: torch.Tensor, call: Any, group: Group, issue: Callable[[], Pending]
+        self, sig: Sequence[int], call: Any, group: Group, issue: Callable[[], Pending]
     ) -> Pending:
-        """The signatures go through the group's segment on the worker, in
-        issue order and without blocking the caller; the collective runs
-        after them in the same work, or not at all. A collective that the
-        core does not take (another dtype, a group spanning nodes) waits
-        for the check here before going to the fallback."""
+        """The signatures meet in the segment's control blocks
+        (``sx_agree``), on the worker, in issue order and without blocking
+        the caller; the collective runs after them in the same work, or not
+        at all. A collective that the core does not take (another dtype, a
+        group spanning nodes) waits for the check here before going to the
+        fallback."""
         seg = self._segment(group)
         if seg is None:
             return self.fallback.agreed(sig, call, group, issue)
-        lib, rows, what = _lib(), self._rows(group), moving_now()
+        lib, rows, what, n = _lib(), self._rows(group), moving_now(), group.size
+        mine, table = _array(sig), _array([0] * (n * WIDTH))
 
-        def gather(out: torch.Tensor, x: torch.Tensor) -> None:
+        def gather(out: torch.Tensor, x: torch.Tensor) -> None:  # an all-to-all's splits
             code = lib.sx_all_gather(seg.ref, out.data_ptr(), x.data_ptr(), x.numel() * 8, rows)
             _check(code, seg, group, "signature check")
 
         def gate() -> None:
-            settle(sig, call, group, what, gather)
+            code = lib.sx_agree(seg.ref, mine, WIDTH, AGREED, table)
+            if code == -5:  # every member sees every row: all of them raise here
+                at = [group.torch_rank(i) * WIDTH for i in range(n)]  # member order
+                verify([table[a : a + WIDTH] for a in at], group, what)
+            _check(code, seg, group, "signature check")
+            settle_splits(call, group, what, gather)
 
-        self._gates.gate = (gate, seg, group, (sig, rows))
+        self._gates.gate = (gate, seg, group, (mine, table, rows))
         try:
             return issue()
         finally:

@@ -125,7 +125,7 @@ class TorchBackend:
         return Pending([dist.barrier(group=group.pg, async_op=True)])
 
     def agreed(
-        self, sig: torch.Tensor, call: Call, group: Group, issue: Callable[[], Pending]
+        self, sig: Sequence[int], call: Call, group: Group, issue: Callable[[], Pending]
     ) -> Pending:
         agree(self, sig, call, group)  # blocking: gloo aborts on buffers that do not fit
         return issue()

@@ -149,3 +149,44 @@ def test_the_switch_reads_its_variable(monkeypatch):
     monkeypatch.setenv("SHARDAX_CHECK_COLLECTIVES", "maybe")
     with pytest.raises(sx.CollectiveError, match=r"SHARDAX_CHECK_COLLECTIVES='maybe'.*use 1"):
         _agree.checks_enabled("gloo")
+
+
+@pytest.mark.skipif("shm" not in BACKENDS, reason="no /dev/shm or no C++ compiler here")
+def test_shared_memory_signatures_meet_in_the_segment_and_stay_in_step(tmp_path):
+    """``sx_agree`` itself, two members as two threads of this process over
+    one segment: rounds that agree return 0 with every row; a round that
+    differs returns -5 to both with both rows (so both raise, and neither
+    moves data); the rounds after it agree again (the two signature buffers
+    alternate without one member overwriting what the other still reads)."""
+    import ctypes
+    import threading
+    import uuid
+
+    path = f"/dev/shm/shardax-test-{uuid.uuid4().hex}"
+    segs = [_shm_backend._Segment(path, 2, 0, 4096, create=True)]
+    try:
+        segs.append(_shm_backend._Segment(path, 2, 1, 4096, create=False))
+    finally:
+        os.unlink(path)
+    lib = _shm_backend._lib()
+    for seg in segs:
+        seg.control.timeout_us = 60_000_000
+        seg.pids[0] = seg.pids[1] = os.getpid()
+    rounds = [(7, 7), (8, 8), (9, 9), (10, 11), (12, 12), (13, 13)]  # member 1 differs once
+    got: list[list[tuple[int, list[int]]]] = [[], []]
+
+    def member(me: int) -> None:
+        for values in rounds:
+            sig = [values[me]] * _agree.WIDTH
+            mine = (ctypes.c_int64 * _agree.WIDTH)(*sig)
+            table = (ctypes.c_int64 * (2 * _agree.WIDTH))()
+            code = lib.sx_agree(segs[me].ref, mine, _agree.WIDTH, _agree.AGREED, table)
+            got[me].append((code, [table[0], table[_agree.WIDTH]]))
+
+    threads = [threading.Thread(target=member, args=(me,)) for me in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    expected = [(-5 if a != b else 0, [a, b]) for a, b in rounds]
+    assert got == [expected, expected]

@@ -12,6 +12,12 @@
 // order with the same chunk counts, so chunk numbers agree without a
 // barrier between collectives.
 //
+// A collective whose group checks signatures is preceded by sx_agree: each
+// member writes its signature (a few int64 saying what it is about to do)
+// into its control block, bumps ``signed``, waits for the others' and
+// compares them, then bumps ``checked``; two signature buffers alternate,
+// and a member overwrites one only once every peer has checked it.
+//
 // Every wait checks the peers it waits for: a timeout returns -1, a dead
 // peer (process gone or a zombie, checked every 20 ms) -2, with missing[i]
 // set for each member at fault. Reductions (fp32, fp64, fp16, bf16, int32,
@@ -31,10 +37,14 @@ namespace {
 
 enum DType { F32 = 0, F64 = 1, F16 = 2, BF16 = 3, I32 = 4, I64 = 5 };
 enum Op { SUM = 0, MAX = 1, MIN = 2 };
-enum Counter { BARRIER = 0, PRODUCED = 1, CONSUMED = 2, REDUCED = 3 };  // lines of a control block
+// Lines of a control block: counters, then two signature buffers.
+enum Counter { BARRIER = 0, PRODUCED = 1, CONSUMED = 2, REDUCED = 3, SIGNED = 4, CHECKED = 5 };
 
 constexpr int kLine = 64;
-constexpr int kCtlBytes = 4 * kLine;  // one control block per member
+constexpr int kSigWidth = 16;                          // int64 per signature, at most
+constexpr int kSigOff = 6 * kLine;                     // the two buffers' offset in a block
+constexpr int kSigBytes = kSigWidth * 8;               // one buffer (two lines)
+constexpr int kCtlBytes = kSigOff + 2 * kSigBytes;     // one control block per member
 constexpr int kMaxMembers = 1024;
 
 // What Python's ``_Segment`` shares with the core (a ctypes.Structure with
@@ -52,6 +62,7 @@ struct Seg {
   int32_t* missing;      // out: members at fault after -1 / -2
   uint64_t chunks;       // chunks this member has published so far
   uint64_t barriers;     // barriers so far
+  uint64_t signs;        // signatures agreed so far
 };
 
 inline void cpu_relax() {
@@ -64,6 +75,11 @@ inline void cpu_relax() {
 
 inline std::atomic<uint64_t>* counter(const Seg* s, int64_t member, int which) {
   return reinterpret_cast<std::atomic<uint64_t>*>(s->base + member * kCtlBytes + which * kLine);
+}
+
+inline int64_t* sig_buffer(const Seg* s, int64_t member, uint64_t seq) {
+  return reinterpret_cast<int64_t*>(s->base + member * kCtlBytes + kSigOff +
+                                    static_cast<int64_t>(seq % 2) * kSigBytes);
 }
 
 inline char* slot_chunk(const Seg* s, int64_t member, uint64_t chunk) {
@@ -298,6 +314,34 @@ extern "C" {
 
 // Meet every member. 0, -1 (timeout) or -2 (a dead member); see the top.
 int sx_barrier(Seg* s) { return barrier(s); }
+
+// Agree on the next collective: publish this member's signature ``sig``
+// (``width`` int64), wait for every member's, copy them all into ``table``
+// (n rows of ``width``, segment order) and compare their first ``agreed``
+// fields with this member's. 0 when they all agree, -5 when some differ
+// (every member sees every row, so all of them return -5 and none moves
+// data: the segment stays in step), -1 / -2 as for any wait, -3 for a
+// width the block has no room for.
+int sx_agree(Seg* s, const int64_t* sig, int64_t width, int64_t agreed, int64_t* table) {
+  if (!valid(s) || width < 1 || width > kSigWidth || agreed < 0 || agreed > width) return -3;
+  const uint64_t seq = ++s->signs;
+  if (seq > 2) {  // this buffer last held signature seq - 2: has everyone checked it?
+    int rc = wait_all(s, CHECKED, seq - 2);
+    if (rc) return rc;
+  }
+  std::memcpy(sig_buffer(s, s->me, seq), sig, width * 8);
+  counter(s, s->me, SIGNED)->store(seq, std::memory_order_release);
+  int rc = wait_all(s, SIGNED, seq);
+  if (rc) return rc;
+  bool same = true;
+  for (int64_t j = 0; j < s->n; ++j) {
+    const int64_t* row = j == s->me ? sig : sig_buffer(s, j, seq);
+    std::memcpy(table + j * width, row, width * 8);
+    for (int64_t f = 0; f < agreed; ++f) same = same && row[f] == sig[f];
+  }
+  counter(s, s->me, CHECKED)->store(seq, std::memory_order_release);
+  return same ? 0 : -5;
+}
 
 // dst[i] = op over j of srcs[j][i], for ``count`` elements (a building block,
 // exported for tests). Returns 0, or -1 for a dtype/op it does not know.
