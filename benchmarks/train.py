@@ -11,6 +11,12 @@ once per mode:
 - ``ddp``: ``DistributedDataParallel`` over gloo;
 - ``fsdp2``: ``fully_shard`` on every block, then on the root (a CPU
   ``DeviceMesh``);
+- ``fsdp2-script``: ``benchmarks/fsdp2_script.py``, a plain FSDP2 script as
+  its users write it (``torch.optim.AdamW``'s defaults but the learning
+  rate, the loop timed whole, no shardax imported, only
+  ``OMP_NUM_THREADS`` set): the check that the ``fsdp2`` anchor is not a
+  slow baseline (its first loss agrees; later ones differ with the
+  optimizer's defaults);
 - ``deepspeed0`` … ``deepspeed3``: DeepSpeed's ZeRO stages on its CPU
   accelerator (``DS_ACCELERATOR=cpu``), with the same ``torch.optim.AdamW``
   as a client optimizer; skipped, with the reason, when ``import deepspeed``
@@ -40,7 +46,10 @@ once per mode:
   (``SHARDAX_CHECK_COLLECTIVES=0``), on gloo instead of shared memory
   (``SHARDAX_BACKEND=torch``), and both: the summary's
   ``collective_check_cost`` is the step time the check costs on each
-  backend (unchecked tokens/s over checked, minus 1).
+  backend (unchecked tokens/s over checked, minus 1);
+- ``fsdp2-glibc``: ``fsdp2`` with glibc's own malloc settings (no
+  ``MALLOC_MMAP_THRESHOLD_``), as a plain script runs: what the allocator
+  setting every other mode gets is worth to FSDP2.
 
 Every (mode, repeat) runs in fresh rank processes started by ``shardax
 launch`` (peak RSS is a lifetime maximum), each with the same environment —
@@ -68,7 +77,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -87,6 +95,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from _data import MICRO_BATCH, batch, load_tokens, peak_rss_mib  # noqa: E402  (beside this file)
 from gpt import GPT, PRESETS, GPTConfig, param_count  # noqa: E402
 
 import shardax as sx  # noqa: E402
@@ -94,21 +103,25 @@ from shardax.launch import launch  # noqa: E402
 
 DATA = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
-MICRO_BATCH = {"tiny": 8, "small": 8, "bench": 4, "wide": 2}
 # Modes that run another mode's step in another environment: the cost of the
 # collectives' signature check (docs/failure_modes.md), on shm and on gloo.
-VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+# A None value removes the variable (``fsdp2-glibc``: glibc's own malloc
+# settings, as a plain FSDP2 script runs).
+VARIANTS: dict[str, tuple[str, dict[str, str | None]]] = {
     "shardax3-unchecked": ("shardax3", {"SHARDAX_CHECK_COLLECTIVES": "0"}),
     "shardax3-gloo": ("shardax3", {"SHARDAX_BACKEND": "torch"}),
     "shardax3-gloo-unchecked": (
         "shardax3",
         {"SHARDAX_BACKEND": "torch", "SHARDAX_CHECK_COLLECTIVES": "0"},
     ),
+    "fsdp2-glibc": ("fsdp2", {"MALLOC_MMAP_THRESHOLD_": None}),
 }
+SCRIPT = Path(__file__).resolve().parent / "fsdp2_script.py"
 ALL_MODES = [
     "limit",
     "ddp",
     "fsdp2",
+    "fsdp2-script",
     *(f"deepspeed{s}" for s in range(4)),
     *(f"shardax{s}" for s in range(4)),
     "shardax-tp",
@@ -357,40 +370,6 @@ def _deepspeed_missing() -> str | None:
 # ---------------------------------------------------------------- one run, on every rank
 
 
-def load_tokens(path: Path, vocab_size: int) -> torch.Tensor:
-    """The file's bytes as token ids (modulo ``vocab_size``, which byte-level presets never need)."""
-    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-    return data.long() % vocab_size
-
-
-def batch(
-    tokens: torch.Tensor,
-    step: int,
-    *,
-    seed: int,
-    seq_len: int,
-    micro_batch: int,
-    shared: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of step ``step``'s global batch (all of it when
-    ``shared``: tensor-parallel ranks work on the same tokens): random
-    windows, the same for every mode and world size given the seed."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(len(tokens) - seq_len - 1, (micro_batch * world,), generator=g)
-    mine = starts if shared else starts[rank * micro_batch : (rank + 1) * micro_batch]
-    windows = tokens[mine[:, None] + torch.arange(seq_len + 1)]
-    return windows[:, :-1], windows[:, 1:]
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set size so far, in MiB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (
-        peak / 2**20 if sys.platform == "darwin" else peak / 1024
-    )  # bytes on macOS, KiB elsewhere
-
-
 def worker(args: argparse.Namespace) -> int:
     """One rank of one run: build, warm up, time; rank 0 writes the result."""
     torch.set_num_threads(args.threads)
@@ -478,18 +457,26 @@ def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
     row: dict = {"mode": mode, "repeat": repeat}
     with tempfile.TemporaryDirectory(prefix="shardax-train-bench-") as tmp:
         result = Path(tmp) / "result.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", mode]
-        argv += ["--result", str(result), "--threads", str(args.threads), "--data", args.data]
+        plain = mode == "fsdp2-script"
+        argv = [sys.executable, str(SCRIPT if plain else Path(__file__).resolve())]
+        argv += [] if plain else ["--worker", mode, "--threads", str(args.threads)]
+        argv += ["--result", str(result), "--data", args.data]
         argv += ["--preset", args.preset, "--micro-batch", str(args.micro)]
         argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
         for flag in ["d_model", "n_layers", "n_heads", "vocab", "seq_len"]:
             if getattr(args, flag) is not None:
                 argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": "cpu"}
-        # The allocator setting sx.init() makes (tune_allocator: blocks from 4 MiB up
-        # straight from mmap), given to every mode: the anchors run with it too.
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 * 2**20))
-        env.update(VARIANTS.get(mode, (mode, {}))[1])
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        if not plain:  # the plain script gets what torchrun would give it
+            env["DS_ACCELERATOR"] = "cpu"
+            # The allocator setting sx.init() makes (tune_allocator: blocks from 4 MiB up
+            # straight from mmap), given to every mode: the anchors run with it too.
+            env.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 * 2**20))
+            for name, value in VARIANTS.get(mode, (mode, {}))[1].items():
+                if value is None:
+                    env.pop(name, None)
+                else:
+                    env[name] = value
         started = time.perf_counter()
         code = launch(
             argv, nproc_per_node=args.nproc, env=env, log_ranks=None if args.verbose else ()
@@ -535,6 +522,10 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
             costs[checked] = {"step_time_cost": ratio - 1.0}
     if costs:
         summary["collective_check_cost"] = costs
+    if "fsdp2" in per_mode and "fsdp2-script" in per_mode:  # is the anchor a slow baseline?
+        summary["fsdp2_vs_plain_script"] = (
+            per_mode["fsdp2"]["tokens_per_s"] / per_mode["fsdp2-script"]["tokens_per_s"]
+        )
     failed = sorted({r["mode"] for r in rows if "error" in r})
     if failed:
         summary["failed"] = failed

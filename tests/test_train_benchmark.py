@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE_MODES = {"limit", "ddp", "fsdp2", "shardax0", "shardax1", "shardax2", "shardax3"}
+SMOKE_MODES = {"limit", "ddp", "fsdp2", "fsdp2-script", "shardax0", "shardax1", "shardax2"}
+SMOKE_MODES |= {"shardax3"}
 SMOKE_MODES |= {"shardax-tp", "shardax-tp-sp", "shardax-ulysses"}
-SMOKE_MODES |= {"shardax3-unchecked", "shardax3-gloo", "shardax3-gloo-unchecked"}
+SMOKE_MODES |= {"shardax3-unchecked", "shardax3-gloo", "shardax3-gloo-unchecked", "fsdp2-glibc"}
 
 
 def test_gpt_docstring_examples():
@@ -66,6 +67,7 @@ def test_train_benchmark_smoke(tmp_path):
     assert stats["fsdp2"]["tokens_per_s_vs_fsdp2"] == 1.0
     assert stats["limit"]["of_limit"] == 1.0 and all("of_limit" in s for s in stats.values())
     assert set(summary["collective_check_cost"]) == {"shardax3", "shardax3-gloo"}
+    assert summary["fsdp2_vs_plain_script"] > 0
     # the variants train the same model the same way: the same losses
     for variant in ("shardax3-unchecked", "shardax3-gloo", "shardax3-gloo-unchecked"):
         assert stats[variant]["first_loss"] == stats["shardax3"]["first_loss"], variant

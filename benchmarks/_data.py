@@ -1,0 +1,49 @@
+"""What every training benchmark run shares, with no shardax in it (the
+plain scripts import it too): the tokens, each step's batch, peak memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MICRO_BATCH", "batch", "load_tokens", "peak_rss_mib"]
+
+MICRO_BATCH = {"tiny": 8, "small": 8, "bench": 4, "wide": 2}  # sequences per rank and step
+
+
+def load_tokens(path: Path, vocab_size: int) -> torch.Tensor:
+    """The file's bytes as token ids (modulo ``vocab_size``, which byte-level presets never need)."""
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    return data.long() % vocab_size
+
+
+def batch(
+    tokens: torch.Tensor,
+    step: int,
+    *,
+    seed: int,
+    seq_len: int,
+    micro_batch: int,
+    shared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of step ``step``'s global batch (all of it when
+    ``shared``: tensor-parallel ranks work on the same tokens): random
+    windows, the same for every mode and world size given the seed."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(tokens) - seq_len - 1, (micro_batch * world,), generator=g)
+    mine = starts if shared else starts[rank * micro_batch : (rank + 1) * micro_batch]
+    windows = tokens[mine[:, None] + torch.arange(seq_len + 1)]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (
+        peak / 2**20 if sys.platform == "darwin" else peak / 1024
+    )  # bytes on macOS, KiB elsewhere
