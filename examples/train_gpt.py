@@ -21,8 +21,11 @@ Checkpoints are sharded (``sx.ckpt``): every ``--save-every`` steps and at
 the end, each rank writes its own shards of the parameters and optimizer
 state, with the step and every rank's RNG state, into
 ``--out/step-NNNNNNNN`` — in the background, while training goes on.
-``--resume`` continues from the latest one, bit for bit as if the run had
-not stopped. Turn one into a plain safetensors file of the weights with
+``--resume`` continues from the latest one (``--resume PATH`` from that
+one), bit for bit as if the run had not stopped when the number of ranks is
+the same; on another number of ranks the values load all the same (each
+rank reads its new shards) and ``--rng reseed`` (or ``skip``) says what
+becomes of the RNG states, which cannot be split or merged. Turn one into a plain safetensors file of the weights with
 
     shardax ckpt consolidate checkpoints/train_gpt/step-00000300 gpt.safetensors --only params
 
@@ -126,7 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in --out"
+        "--resume",
+        nargs="?",
+        const=True,
+        type=Path,
+        metavar="PATH",
+        help="continue from the latest checkpoint in --out, or from PATH (a step-NNNNNNNN "
+        "folder), on any number of ranks",
+    )
+    parser.add_argument(
+        "--rng",
+        choices=sx.ckpt.RNG_POLICIES,
+        default="restore",
+        help="on --resume, each rank's RNG state: as saved (the same number of ranks: the run "
+        "continues bit for bit), reseed (restored where the rank count matches, else seeded "
+        "from the checkpoint and the rank) or skip",
     )
     parser.add_argument(
         "--metrics", type=Path, help="append each step's loss and lr as JSON lines (rank 0)"
@@ -254,13 +271,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"preset": args.preset, "config": attrs.asdict(cfg), "seed": run.seed}
     start = 0
     if args.resume:
-        restored = manager.restore({"params": params, "opt_state": opt_state, "step": 0})
+        target = {"params": params, "opt_state": opt_state, "step": 0}
+        latest = args.resume is True
+        where = manager.path(manager.latest() or 0) if latest else args.resume
+        try:
+            if latest:
+                restored = manager.restore(target, rng=args.rng)
+            else:
+                state = sx.ckpt.load(args.resume, target, rng=args.rng)
+                restored = int(state["step"]), state
+        except sx.CheckpointError as err:
+            if "rng='restore'" not in str(err):
+                raise
+            raise sx.CheckpointError(f"{err} (the flags: --rng reseed or --rng skip)") from None
         if restored is None:
             say(f"no checkpoint in {ckpt.dir}: starting from step 0")
         else:
             start, state = restored
             params, opt_state = state["params"], state["opt_state"]
-            say(f"resumed from {manager.path(start)}")
+            say(f"resumed from {where} at step {start} (rng: {args.rng})")
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
 
     def loss_fn(params: dict, batch: dict, scale: float) -> torch.Tensor:

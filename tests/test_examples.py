@@ -90,9 +90,9 @@ def test_train_gpt_on_two_ranks_with_zero3(tmp_path):
     assert index.leaves["params.wte.weight"].spec == sx.P("dp")  # ZeRO-3: stored sharded
 
 
-def _train(out, metrics, *extra):
+def _train(out, metrics, *extra, nproc=2):
     done = launch(
-        "--nproc-per-node", "2", "examples/train_gpt.py", "--preset", "tiny", "--steps", "6",
+        "--nproc-per-node", str(nproc), "examples/train_gpt.py", "--preset", "tiny", "--steps", "6",
         "--save-every", "3", "--keep", "5", "--eval-batches", "0", "--sample-tokens", "0",
         "--out", str(out), "--metrics", str(metrics), *extra,
     )  # fmt: skip
@@ -118,6 +118,29 @@ def test_train_gpt_resumes_bit_identically(tmp_path):
     assert spec_a == spec_b and len(leaves_a) > 20
     for x, y in zip(leaves_a, leaves_b, strict=True):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+def test_train_gpt_resumes_on_another_number_of_ranks(tmp_path):
+    """A 2-rank checkpoint resumes on 1 rank: without an RNG policy the run
+    stops with one line naming the flags; with ``--rng reseed`` the loss
+    curve continues the uninterrupted run's (the data order does not depend
+    on the ranks; the sums differ only in order)."""
+    _, whole = _train(tmp_path / "a", tmp_path / "a.jsonl")
+    step3 = tmp_path / "a" / "step-00000003"
+    refused = launch(
+        "--nproc-per-node", "1", "examples/train_gpt.py", "--preset", "tiny", "--steps", "6",
+        "--out", str(tmp_path / "b"), "--resume", str(step3),
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "holds the RNG states of 2 rank(s) and this job has 1" in refused.stderr
+    assert "--rng reseed or --rng skip" in refused.stderr and "Traceback" not in refused.stderr
+    stdout, resumed = _train(
+        tmp_path / "b", tmp_path / "b.jsonl", "--resume", str(step3), "--rng", "reseed", nproc=1
+    )
+    assert f"resumed from {step3} at step 3 (rng: reseed)" in stdout
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    for got, want in zip(resumed, whole[3:], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
 
 def test_check_cost_benchmark_smoke(tmp_path):

@@ -78,6 +78,7 @@ SURFACE = {
         "Box",
         "CheckpointManager",
         "Index",
+        "RNG_POLICIES",
         "TensorEntry",
         "ValueEntry",
         "consolidate",

@@ -13,6 +13,7 @@ from ._format import Index as Index
 from ._format import TensorEntry as TensorEntry
 from ._format import ValueEntry as ValueEntry
 from ._format import read_index as read_index
+from ._load import RNG_POLICIES as RNG_POLICIES
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
 from ._offline import consolidate as consolidate
@@ -24,6 +25,7 @@ from ._save import save as save
 from ._save import save_async as save_async
 
 __all__ = [
+    "RNG_POLICIES",
     "AsyncSave",
     "Box",
     "CheckpointManager",

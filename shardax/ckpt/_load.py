@@ -3,9 +3,11 @@ overlaps its own piece of the target — for any source and target mesh."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,9 @@ from ._format import (
 )
 from ._save import _world, flatten, wait_pending
 
-__all__ = ["fill", "load", "restore_rng", "spec_by_rules"]
+__all__ = [
+    "RNG_POLICIES", "fill", "load", "reseed", "restore_rng", "rng_policy", "spec_by_rules",
+]  # fmt: skip
 
 _LAYOUTS = (Layout, NamedSharding, PartitionSpec)
 
@@ -223,11 +227,61 @@ def _report(problems: list[str], what: str) -> None:
         raise CheckpointError(f"{what}:\n  {shown}{more}")
 
 
+RNG_POLICIES = ("restore", "reseed", "skip")
+
+
+def rng_policy(rng: bool | str) -> str:
+    """``load``'s ``rng=`` as one of :data:`RNG_POLICIES` (True is
+    ``"restore"``, False ``"skip"``).
+
+    >>> rng_policy(True), rng_policy("reseed")
+    ('restore', 'reseed')
+    """
+    if rng is True or rng is False:
+        return "restore" if rng else "skip"
+    if rng not in RNG_POLICIES:
+        raise CheckpointError(
+            f"rng={rng!r} is not a policy; use 'restore' (each rank's RNG state exactly as "
+            "saved: the same world size), 'reseed' (restored where the world size matches, "
+            "else seeded from the checkpoint and the rank) or 'skip' (left as they are)"
+        )
+    return rng
+
+
+def _rng_problem(root: Path, index: Index, rank: int, world: int) -> str | None:
+    """Why this rank's RNG state cannot be restored exactly, or None."""
+    if not index.rng:
+        return f"{root} holds no RNG states (it was saved with rng=False)"
+    if world != index.world_size:
+        return (
+            f"{root} holds the RNG states of {index.world_size} rank(s) and this job has "
+            f"{world}: a rank's random stream cannot be split or merged"
+        )
+    if rank not in index.rng:
+        return f"{root} holds no RNG state for rank {rank}"
+    return None
+
+
+def reseed(root: Path, index: Index, rank: int) -> int:
+    """Seed this rank's torch (and CUDA) and Python RNGs from the checkpoint
+    and the rank (``rng="reseed"`` where the states cannot be restored):
+    the same seed every time this checkpoint resumes on this rank, a
+    different one on every rank. Returns the seed."""
+    basis = json.dumps({"metadata": index.metadata, "world": index.world_size}, sort_keys=True)
+    seed = zlib.crc32(f"{basis}/{rank}".encode()) & 0x7FFF_FFFF
+    torch.manual_seed(seed)  # CUDA generators too, where present
+    random.seed(seed)
+    return seed
+
+
 def restore_rng(root: Path, index: Index, rank: int, *, verify: bool = True) -> None:
     """Set this rank's torch, CUDA and Python RNG states from the checkpoint."""
     states = index.rng.get(rank)
     if states is None:
-        raise CheckpointError(f"{root} has no RNG state for rank {rank} (saved with rng=False?)")
+        raise CheckpointError(
+            f"{_rng_problem(root, index, rank, index.world_size)}; load with rng='reseed' or "
+            "rng='skip'"
+        )
     with Files(root) as files:
 
         def read(box: Box) -> torch.Tensor:
@@ -257,7 +311,7 @@ def load(
     device: Any = None,
     strict: bool = True,
     verify: bool = True,
-    rng: bool = False,
+    rng: bool | str = False,
 ) -> Any:
     """Read a checkpoint into the layouts of ``target``, on any mesh.
 
@@ -284,8 +338,14 @@ def load(
             mismatches); ``strict=False`` leaves missing leaves as they are
             and ignores unexpected ones.
         verify: check checksums of the bytes read.
-        rng: also restore this rank's RNG states (the checkpoint must come
-            from the same world size).
+        rng: what becomes of this rank's RNG states (torch, CUDA, Python):
+            ``"skip"`` (or False, the default) leaves them; ``"restore"``
+            (or True) sets them as saved — exactly, so the run continues
+            bit for bit, which needs the world size it was saved with (else
+            an error naming the other two); ``"reseed"`` restores them where
+            the world size matches and otherwise seeds them from the
+            checkpoint and the rank (deterministic, not the uninterrupted
+            run's stream).
 
     >>> import tempfile, torch, shardax as sx
     >>> d = tempfile.mkdtemp()
@@ -300,6 +360,7 @@ def load(
       missing from the checkpoint: 'v'
       not in the target: 'w'
     """
+    policy = rng_policy(rng)
     wait_pending()
     root = live_dir(path)
     index = read_index(root)
@@ -345,16 +406,21 @@ def load(
                 return optree.tree_unflatten(treespec, out)
 
         _report(job.problems, f"checkpoint {root} does not match the target")
-        if rng:
-            rank, world = _world()
-            if world != index.world_size:
-                raise CheckpointError(
-                    f"rng=True restores each rank's RNG, but {root} was saved by "
-                    f"{index.world_size} ranks and this job has {world}; load with rng=False"
-                )
+        rank, world = _world()
+        problem = _rng_problem(root, index, rank, world) if policy != "skip" else None
+        if problem is not None and policy == "restore":
+            raise CheckpointError(
+                f"rng='restore' sets each rank's RNG state as saved, but {problem}. Load with "
+                "rng='reseed' (seed each rank's generators from the checkpoint and the rank: "
+                "deterministic, though not the uninterrupted run's random stream) or "
+                "rng='skip' (leave them as they are)"
+            )
         loaded = assemble({p: job.leaf(p, x, mesh) for p, x in reads.items()})
-        if rng:
-            restore_rng(root, index, rank, verify=verify)
+        if policy != "skip":
+            if problem is None:
+                restore_rng(root, index, rank, verify=verify)
+            else:
+                reseed(root, index, rank)
         return loaded
     finally:
         job.files.close()

@@ -106,11 +106,14 @@ class CheckpointManager:
         wait_pending()
 
     def restore(
-        self, target: Any, *, step: int | None = None, rng: bool = True, **kwargs: Any
+        self, target: Any, *, step: int | None = None, rng: bool | str = True, **kwargs: Any
     ) -> tuple[int, Any] | None:
         """``(step, tree)`` loaded from the latest complete checkpoint (or
-        ``step``'s) into ``target``, with each rank's RNG restored when
-        ``rng``; None when there is none. ``kwargs`` go to ``load``."""
+        ``step``'s) into ``target``; None when there is none. ``rng``: each
+        rank's RNG states restored exactly (True, ``"restore"``: the same
+        world size), ``"reseed"`` (restored where the world size matches,
+        else seeded from the checkpoint and the rank) or ``"skip"`` (False);
+        see :func:`~shardax.ckpt.load`. ``kwargs`` go to ``load``."""
         wait_pending()
         step = self.latest() if step is None else step
         if step is None:

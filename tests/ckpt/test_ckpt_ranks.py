@@ -260,3 +260,40 @@ def test_a_rank0_write_failure_reaches_every_rank_at_once(tmp_path):
         assert "rank 0 could not write rank-00000-of-00002.safetensors" in text, text
         assert "No space left on device" in text and "did not arrive" not in text
     assert not (tmp_path / "c").exists()
+
+
+def _save_on_two(path: str) -> None:
+    mesh = sx.Mesh({"dp": -1})
+    torch.manual_seed(300 + mesh.rank)
+    sx.ckpt.save(path, {"x": sx.shard(torch.arange(4.0), mesh, sx.P("dp"))}, metadata={"step": 7})
+
+
+@pytest.mark.world_size(2)
+def test_rng_policy_on_another_world_size(tmp_path):
+    """Saved on 2 ranks, loaded on 1: ``restore`` cannot split or merge a
+    rank's stream and says so, naming the other policies; ``reseed`` seeds
+    from the checkpoint and the rank (the same each time); ``skip`` leaves
+    the generator alone. The values load the same under each."""
+    path = str(tmp_path / "c")
+    run_ranks(_save_on_two, path, world_size=2)
+    with pytest.raises(sx.CheckpointError) as err:
+        sx.ckpt.load(path, {"x": None}, rng="restore")
+    text = str(err.value)
+    assert "holds the RNG states of 2 rank(s) and this job has 1" in text
+    assert "rng='reseed'" in text and "rng='skip'" in text
+    with pytest.raises(sx.CheckpointError, match="cannot be split or merged"):
+        sx.ckpt.load(path, {"x": None}, rng=True)  # True is "restore"
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        out = sx.ckpt.load(path, {"x": None}, rng="reseed")
+        assert torch.equal(out["x"], torch.arange(4.0))
+        draws.append(torch.rand(3))
+    torch.manual_seed(0)
+    unseeded = torch.rand(3)
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], unseeded)
+    torch.manual_seed(0)
+    sx.ckpt.load(path, {"x": None}, rng="skip")
+    assert torch.equal(torch.rand(3), unseeded)
+    with pytest.raises(sx.CheckpointError, match=r"rng='sometimes' is not a policy; use 'restore'"):
+        sx.ckpt.load(path, {"x": None}, rng="sometimes")
