@@ -19,7 +19,7 @@ from .._tree import render_path
 from ..errors import CheckpointError, ShardingError
 from ..mesh._mesh import AbstractMesh, Mesh
 from ..shard._layout import Layout
-from ..shard._rules import Rule, Rules, fit_spec
+from ..shard._rules import Rules, fit_spec, is_rules
 from ..shard._sharded import Sharded
 from ..shard._spec import NamedSharding, PartitionSpec
 from ._format import (
@@ -368,7 +368,7 @@ def load(
     job = _Load(root, index, cast, device, verify)
     try:
         reads: dict[str, Any] = {}  # saved path -> what to read it into
-        if isinstance(target, (Rule, Rules)):
+        if is_rules(target):
             rules = target if isinstance(target, Rules) else Rules(target)
             if mesh is None:
                 raise CheckpointError("loading by rules needs load(..., mesh=)")

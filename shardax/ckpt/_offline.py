@@ -24,7 +24,7 @@ from .._tree import render_path
 from ..errors import CheckpointError
 from ..mesh._mesh import AbstractMesh
 from ..shard._layout import Layout
-from ..shard._rules import Rule, Rules
+from ..shard._rules import Rule, Rules, is_rules
 from ..shard._spec import P, PartitionSpec
 from ._format import (
     _BY_CODE,
@@ -86,7 +86,7 @@ def as_rules(rules: Rules | Rule | Sequence[Rule] | Mapping[str, Any]) -> Rules:
     """
     if isinstance(rules, Rules):
         return rules
-    if isinstance(rules, Rule):
+    if is_rules(rules):
         return Rules(rules)
     if isinstance(rules, Mapping):
         made = []
@@ -99,8 +99,6 @@ def as_rules(rules: Rules | Rule | Sequence[Rule] | Mapping[str, Any]) -> Rules:
             entries = [tuple(e) if isinstance(e, list) else e for e in spec]
             made.append(Rule(pattern, spec if isinstance(spec, PartitionSpec) else P(*entries)))
         return Rules(*made)
-    if isinstance(rules, Sequence) and all(isinstance(r, Rule) for r in rules):
-        return Rules(*rules)
     raise CheckpointError(
         f"expected Rules, a Rule, a list of Rule or a mapping pattern → spec; got {rules!r}"
     )

@@ -12,8 +12,7 @@ from .._tree import flatten_with_paths
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, Mesh
 from ._layout import Layout
-from ._placement import ShardOver
-from ._rules import Rule, Rules, fit_spec
+from ._rules import Rules, as_rules, fit_spec
 from ._sharded import Sharded
 from ._spec import NamedSharding, P, PartitionSpec
 from ._transfer import transfer
@@ -68,11 +67,7 @@ def layouts_for(
     """
     is_leaf = lambda x: isinstance(x, Sharded)  # noqa: E731
     paths, leaves, treespec = flatten_with_paths(tree, is_leaf=is_leaf, none_is_leaf=True)
-    rules = None
-    if isinstance(specs, (Rule, ShardOver)):
-        rules = Rules(specs)
-    elif isinstance(specs, Rules):
-        rules = specs
+    rules = as_rules(specs)
     if rules is not None:
         if rules.strict:
             tensor_paths = [
@@ -114,13 +109,6 @@ def _viewed(rules: Rules, path: str, x: Any) -> Any:
         return x
     shape = rules.view_for(path, x.shape)
     return x if shape == tuple(x.shape) else x.reshape(shape)
-
-
-def as_rules(specs: Any) -> Rules | None:
-    """``specs`` as :class:`Rules` when it is rules, else None."""
-    if isinstance(specs, (Rule, ShardOver)):
-        return Rules(specs)
-    return specs if isinstance(specs, Rules) else None
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:

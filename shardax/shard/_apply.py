@@ -28,6 +28,7 @@ from ..errors import ShardingError
 from ._fused import Gathered, start_gather
 from ._modules import install
 from ._placement import role_layout
+from ._rules import as_rules
 from ._sharded import Sharded
 from ._transfer import transfer
 
@@ -283,9 +284,12 @@ def apply(
     run = _Run(_plan(model, params, units), tape, prefetch)
     hooks = []
     mesh = next((x.mesh for x in params.values() if isinstance(x, Sharded)), None)
-    module_rules = getattr(rules, "modules", ()) if rules is not None else ()
-    if rules is not None and not hasattr(rules, "modules"):
-        raise ShardingError(f"apply(rules=...) takes Rules; got {type(rules).__name__}")
+    bound = as_rules(rules) if rules is not None else None
+    if rules is not None and bound is None:
+        raise ShardingError(
+            f"apply(rules=...) takes Rules (or a Rule, or a list of them); got {type(rules).__name__}"
+        )
+    module_rules = bound.modules if bound is not None else ()
     uninstall = install(model, module_rules, mesh)
     try:
         for unit in run.units[1:]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -144,6 +144,31 @@ ModuleRule.__add__ = Rule.__add__  # type: ignore[attr-defined]
 ModuleRule.__radd__ = Rule.__radd__  # type: ignore[attr-defined]
 
 
+def _spread(items: Iterable[Any]) -> Iterator[Any]:
+    """``items`` with lists and tuples of rules spread in place (``Rules([a, b])``)."""
+    for item in items:
+        if type(item) in (list, tuple):  # not a PartitionSpec (a tuple too)
+            yield from _spread(item)
+        else:
+            yield item
+
+
+def is_rules(value: Any) -> bool:
+    """Whether ``value`` is rules: a :class:`Rule`, :class:`ShardOver`,
+    :class:`ModuleRule`, :class:`Rules`, or a non-empty list of them."""
+    kinds = (Rule, ShardOver, ModuleRule, Rules)
+    if type(value) in (list, tuple):
+        return bool(value) and all(is_rules(v) for v in value)
+    return isinstance(value, kinds)
+
+
+def as_rules(specs: Any) -> Rules | None:
+    """``specs`` as :class:`Rules` when it is rules (a list of rules too), else None."""
+    if isinstance(specs, Rules):
+        return specs
+    return Rules(specs) if is_rules(specs) else None
+
+
 def _glob_regex(pattern: str) -> str:
     return "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
 
@@ -159,6 +184,8 @@ class Rules:
     them, :class:`ShardOver` entries (as ``rules.zero`` returns) split the
     params, grads or optimizer state of matching leaves over more axes; their
     order does not matter. ``spec_for(..., role=...)`` gives each role's spec.
+
+    A list of rules is rules too: ``Rules([a, b])`` is ``Rules(a, b)``.
 
     >>> rules = Rules(Rule(r".*\\.weight", P("dp")), strict=True)
     >>> rules.spec_for("mlp.weight", (8, 4), AbstractMesh({"dp": 2}))
@@ -184,7 +211,7 @@ class Rules:
         flat: list[Rule] = []
         overs: list[ShardOver] = []
         modules: list[ModuleRule] = []
-        for r in rules:
+        for r in _spread(rules):
             if isinstance(r, Rules):
                 flat.extend(r.rules)
                 overs.extend(o for o in r.overs if o not in overs)
@@ -199,7 +226,8 @@ class Rules:
                 modules.append(r)
             else:
                 raise ShardingError(
-                    f"Rules takes Rule, ShardOver, ModuleRule or Rules values; got {r!r}"
+                    f"Rules takes Rule, ShardOver, ModuleRule or Rules values (or lists of "
+                    f"them); got {r!r}"
                 )
         self.__attrs_init__(
             tuple(flat), tuple(overs), bool(strict), bool(divisible), tuple(modules)

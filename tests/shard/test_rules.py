@@ -90,6 +90,18 @@ def test_rules_compose_and_flags_or():
         Rule("(", P())
 
 
+def test_a_list_of_rules_is_rules_wherever_rules_are_taken():
+    listed = [Rule(r".*\.qkv\.weight", P("tp", None)), Rule(r".*\.weight", P("dp"))]
+    assert Rules(listed) == Rules(*listed) == Rules(listed[0], [listed[1]])
+    assert specs(PARAMS, listed) == specs(PARAMS, Rules(*listed))
+    assert specs(PARAMS, listed)["emb.weight"] == P("dp")
+    assert sx.rules.zero(3) + listed == Rules(sx.rules.zero(3), listed)
+    with pytest.raises(ShardingError, match=r"Rules takes Rule, .* \(or lists of them\); got P"):
+        Rules(P("dp"))  # a spec is not a rule, though it is a tuple
+    # A list of specs is still a spec tree, not rules.
+    assert specs({"a": meta(4), "b": meta(4)}, {"a": P("dp"), "b": P()})["a"] == P("dp")
+
+
 class State(NamedTuple):
     mu: dict
     count: torch.Tensor
