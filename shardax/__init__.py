@@ -33,6 +33,7 @@ from .mesh import AbstractMesh as AbstractMesh
 from .mesh import Mesh as Mesh
 from .mesh import init as init
 from .mesh import shutdown as shutdown
+from .shard import Blocks as Blocks
 from .shard import Layout as Layout
 from .shard import ModuleRule as ModuleRule
 from .shard import NamedSharding as NamedSharding
@@ -43,6 +44,7 @@ from .shard import Rule as Rule
 from .shard import Rules as Rules
 from .shard import Sharded as Sharded
 from .shard import apply as apply
+from .shard import blocks as blocks
 from .shard import explain as explain
 from .shard import gather as gather
 from .shard import init_params as init_params
@@ -62,6 +64,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AbstractMesh",
+    "Blocks",
     "CheckpointError",
     "CollectiveError",
     "CollectiveMismatchError",
@@ -81,6 +84,7 @@ __all__ = [
     "ShardingError",
     "Sharded",
     "apply",
+    "blocks",
     "ckpt",
     "collectives",
     "config",

@@ -23,7 +23,7 @@ from .shard._modules import Relayout as Relayout
 from .shard._placement import ShardOver as ShardOver
 from .shard._rules import Rule as Rule
 from .shard._rules import Rules as Rules
-from .shard._spec import P
+from .shard._spec import P, blocks
 from .shard._tensor_parallel import local_sizes, ulysses_attention, vocab_parallel_embedding
 
 __all__ = [
@@ -99,7 +99,7 @@ class TransformerNames:
     (:func:`shardax.local_sizes`); ``column_sizes`` — the same for the
     column modules (``Conv1D``'s output width ``nf``); ``packed`` — column modules whose output
     packs q, k and v side by side (GPT-2's ``c_attn``): split block by
-    block (``Rule(unflatten=...)``), each rank keeping its heads of each;
+    block (:func:`shardax.blocks`), each rank keeping its heads of each;
     ``final`` — the module after the blocks whose output the model
     reshapes by the input's shape (GPT-2's ``ln_f``, followed by a
     ``.view``): under sequence parallelism and Ulysses the sequence is
@@ -256,12 +256,8 @@ def megatron(
     if names.packed is not None:  # [q | k | v]: each block split, as [3, d] (or [in, 3, d])
         dim = 1 if names.transposed else 0
         entries += [
-            Rule(
-                rf"({names.packed})\.weight",
-                P(*[None] * (dim + 1), tp),
-                unflatten=(dim, (3, -1)),
-            ),
-            Rule(rf"({names.packed})\.bias", P(None, tp), unflatten=(0, (3, -1))),
+            Rule(rf"({names.packed})\.weight", P(*[None] * dim, blocks(3, tp))),
+            Rule(rf"({names.packed})\.bias", P(blocks(3, tp))),
         ]
     entries += [
         Rule(rf"({col})\.weight", col_w),
@@ -360,7 +356,7 @@ def ulysses(sp: str = "sp", *, names: TransformerNames = GPT_NAMES) -> Rules:
         entries.append(ModuleRule(names.positions, output=Relayout(P(), seq)))
     if relayouts:
         if names.packed is not None:  # [q | k | v] each split over heads
-            heads = Relayout(seq, P(None, None, None, sp), unflatten=(-1, (3, -1)))
+            heads = Relayout(seq, P(None, None, blocks(3, sp)))
             entries.append(ModuleRule(names.packed, output=heads))
         entries += [
             ModuleRule(names.attention_in, output=Relayout(seq, P(None, None, sp))),

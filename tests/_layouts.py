@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from hypothesis import strategies as st
 
-from shardax import Layout, P
+from shardax import Layout, P, blocks
 from shardax.mesh import AbstractMesh
 from shardax.shard._sharded import local_piece
 
@@ -59,18 +59,35 @@ def assemble(pieces: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int
     out = torch.zeros(tuple(shape), dtype=pieces[0].dtype)
     first: dict[tuple, torch.Tensor] = {}
     for rank, piece in enumerate(pieces):
-        box = layout.local_bounds(shape, rank)
-        assert tuple(piece.shape) == tuple(b - a for a, b in box), (rank, piece.shape, box, layout)
+        local = layout.local_shape(shape, rank)
+        assert tuple(piece.shape) == local, (rank, piece.shape, local, layout)
+        boxes = layout.box_views(piece, shape, rank)  # one, or one per block of a blocked dim
         coords = mesh.coords(rank)
-        key = (box, tuple(coords[a] for a in layout.partial))
+        key = (tuple((o, n) for o, n, _ in boxes), tuple(coords[a] for a in layout.partial))
         if key in first:
             torch.testing.assert_close(
                 piece, first[key], rtol=0, atol=0, msg=f"replicas differ: rank {rank} {layout}"
             )
             continue
         first[key] = piece
-        out[tuple(slice(a, b) for a, b in box)] += piece
+        for offsets, sizes, view in boxes:
+            out[tuple(slice(a, a + n) for a, n in zip(offsets, sizes, strict=True))] += view
     return out
+
+
+def blocked_layouts(mesh: AbstractMesh) -> list[Layout]:
+    """Layouts of a 2-d tensor with a blocked dim (dim 0: 3 or 2 blocks, dim
+    1: 2), the other axes replicated, partial or splitting the other dim."""
+    x, y = mesh.axis_names
+    return [
+        Layout(mesh, P(blocks(3, x))),
+        Layout(mesh, P(blocks(3, x, y))),
+        Layout(mesh, P(blocks(2, y), x)),
+        Layout(mesh, P(blocks(3, x)), partial=y),
+        Layout(mesh, P(None, blocks(2, x))),
+        Layout(mesh, P(y, blocks(2, x))),
+        Layout(mesh, P(None, blocks(2, y, x))),
+    ]
 
 
 @st.composite

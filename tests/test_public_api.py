@@ -15,6 +15,7 @@ from shardax.cli import main
 SURFACE = {
     "shardax": [
         "AbstractMesh",
+        "Blocks",
         "CheckpointError",
         "CollectiveError",
         "CollectiveMismatchError",
@@ -34,6 +35,7 @@ SURFACE = {
         "ShardingError",
         "Sharded",
         "apply",
+        "blocks",
         "ckpt",
         "collectives",
         "config",
@@ -101,6 +103,7 @@ SURFACE = {
         "shutdown",
     ],
     "shardax.shard": [
+        "Blocks",
         "Explanation",
         "Layout",
         "ModuleRule",
@@ -116,6 +119,7 @@ SURFACE = {
         "Sharded",
         "Step",
         "apply",
+        "blocks",
         "explain",
         "gather",
         "init_params",

@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from ..errors import CheckpointError
-from ..shard._spec import P, PartitionSpec
+from ..shard._spec import Blocks, P, PartitionSpec
 
 __all__ = [
     "CHUNK",
@@ -140,11 +140,25 @@ class Box:
 
 
 def spec_to_json(spec: PartitionSpec) -> list[Any]:
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
+    """A spec's entries as JSON: an axis, a list of axes, null, or
+    ``{"blocks": k, "axes": [...]}`` for a blocked dim (:func:`shardax.blocks`)."""
+    return [
+        {"blocks": e.k, "axes": list(e.axes)}
+        if isinstance(e, Blocks)
+        else list(e)
+        if isinstance(e, tuple)
+        else e
+        for e in spec
+    ]
 
 
 def spec_from_json(entries: Sequence[Any]) -> PartitionSpec:
-    return P(*(tuple(e) if isinstance(e, list) else e for e in entries))
+    def entry(e: Any) -> Any:
+        if isinstance(e, dict):
+            return Blocks(int(e["blocks"]), tuple(e["axes"]))
+        return tuple(e) if isinstance(e, list) else e
+
+    return P(*(entry(e) for e in entries))
 
 
 @attrs.frozen

@@ -158,9 +158,15 @@ class _Load:
             raise CheckpointError(
                 f"{path!r}: loading needs a live Mesh; {layout.mesh!r} is abstract"
             )
-        bounds = layout.local_bounds(entry.shape, layout.mesh.rank)
-        local = torch.empty(tuple(b - a for a, b in bounds), dtype=dtype, device=device)
-        fill(self.files, path, entry, tuple(a for a, _ in bounds), local, verify=self.verify)
+        rank = layout.mesh.rank
+        local = torch.empty(layout.local_shape(entry.shape, rank), dtype=dtype, device=device)
+        for offsets, sizes, view in layout.box_views(local, entry.shape, rank):
+            if view.is_contiguous():
+                fill(self.files, path, entry, offsets, view, verify=self.verify)
+            else:  # a block of a blocked dim: read whole, then place
+                part = torch.empty(sizes, dtype=dtype, device=device)
+                fill(self.files, path, entry, offsets, part, verify=self.verify)
+                view.copy_(part)
         placement = target.placement if isinstance(target, Sharded) else None
         return Sharded(local, layout, entry.shape, placement=placement)
 

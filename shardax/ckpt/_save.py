@@ -124,13 +124,11 @@ def distinct_boxes(layout: Layout, shape: tuple[int, ...]) -> list[tuple[int, tu
     seen: set[tuple] = set()
     out = []
     for r in range(layout.mesh.world_size):
-        bounds = layout.local_bounds(shape, r)
-        offsets = tuple(a for a, _ in bounds)
-        sizes = tuple(b - a for a, b in bounds)
-        if (offsets, sizes) in seen or math.prod(sizes) == 0:
-            continue
-        seen.add((offsets, sizes))
-        out.append((r, offsets, sizes))
+        for offsets, sizes in layout.local_boxes(shape, r):  # several for blocked dims
+            if (offsets, sizes) in seen or math.prod(sizes) == 0:
+                continue
+            seen.add((offsets, sizes))
+            out.append((r, offsets, sizes))
     return out
 
 
@@ -180,9 +178,12 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
                 f"{path!r}: key paths starting with {RNG_PREFIX.rstrip('.')!r} are reserved for "
                 "the RNG states; rename the key"
             )
+        views: dict[tuple[int, ...], torch.Tensor] = {}
         if isinstance(x, Sharded):
             boxes = _sharded_boxes(path, x, world)
             layout_mesh, spec, local = x.mesh.shape, x.spec, x.local
+            if x.spec.blocked:  # this rank's piece is several boxes
+                views = {o: v for o, _, v in x.layout.box_views(x.local, x.shape, rank)}
             mesh = mesh or layout_mesh
             if isinstance(x.mesh, Mesh) and x.mesh.timeout is not None:
                 timeout = x.mesh.timeout
@@ -200,8 +201,8 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             name = box_name(path, offsets)
             stored.append(Box(offsets, sizes, _file(owner, world), name))
             if owner == rank:
-                t = local.detach()
-                items.append((name, t.to("cpu", copy=True) if copy else t))
+                t = views[offsets].contiguous() if views else local.detach()
+                items.append((name, t.detach().to("cpu", copy=True) if copy else t.detach()))
         try:
             dtype = dtype_name(local.dtype)
         except CheckpointError as e:

@@ -34,9 +34,11 @@ from ._random import manual_seed as manual_seed
 from ._rules import Rule as Rule
 from ._rules import Rules as Rules
 from ._sharded import Sharded as Sharded
+from ._spec import Blocks as Blocks
 from ._spec import NamedSharding as NamedSharding
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
+from ._spec import blocks as blocks
 from ._tensor_parallel import local_sizes as local_sizes
 from ._tensor_parallel import ulysses_attention as ulysses_attention
 from ._tensor_parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
@@ -44,6 +46,7 @@ from ._tensor_parallel import vocab_parallel_embedding as vocab_parallel_embeddi
 from ._transfer import transfer as transfer
 
 __all__ = [
+    "Blocks",
     "Explanation",
     "Layout",
     "ModuleRule",
@@ -59,6 +62,7 @@ __all__ = [
     "Sharded",
     "Step",
     "apply",
+    "blocks",
     "explain",
     "gather",
     "init_params",

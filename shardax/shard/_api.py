@@ -54,9 +54,7 @@ def layouts_for(
 
     ``specs`` is a :class:`Rule`/:class:`Rules`, one spec/layout for every
     leaf, or a pytree of specs shaped like ``tree`` (or a prefix of it; None
-    means replicated). Leaves may be tensors (meta ones too) or ``Sharded``;
-    the leaves returned are in the shape they are sharded in (a rule's
-    ``unflatten`` reshapes them).
+    means replicated). Leaves may be tensors (meta ones too) or ``Sharded``.
     With rules, ``role`` picks which role's layout (see ``rules.zero``).
 
     >>> import torch, shardax as sx
@@ -92,8 +90,6 @@ def layouts_for(
                 "or a tree of specs shaped like the values"
             ) from None
         targets = optree.tree_leaves(full, is_leaf=_is_target, none_is_leaf=True)
-    if rules is not None and any(r.unflatten is not None for r in rules.rules):
-        leaves = [_viewed(rules, path, x) for path, x in zip(paths, leaves, strict=True)]
     layouts: list[Layout | None] = []
     for path, leaf, target in zip(paths, leaves, targets, strict=True):
         shape = _shape(leaf)
@@ -101,14 +97,6 @@ def layouts_for(
             None if shape is None else _leaf_layout(target, path, shape, mesh, rules, role)
         )
     return paths, leaves, treespec, layouts
-
-
-def _viewed(rules: Rules, path: str, x: Any) -> Any:
-    """A dense tensor leaf in the shape its rule shards it in (``unflatten``)."""
-    if not isinstance(x, torch.Tensor) or isinstance(x, Sharded) or x.dim() == 0:
-        return x
-    shape = rules.view_for(path, x.shape)
-    return x if shape == tuple(x.shape) else x.reshape(shape)
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:

@@ -15,7 +15,6 @@ handed to the bucketed reducer the moment it is final.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,9 +55,7 @@ class _Unit:
 
     def __init__(self, index: int, path: str, module: nn.Module) -> None:
         self.index, self.path, self.module = index, path, module
-        self.slots: list[
-            tuple[str, Any, list[tuple[nn.Module, str, bool]], tuple[int, ...] | None]
-        ] = []
+        self.slots: list[tuple[str, Any, list[tuple[nn.Module, str, bool]]]] = []
 
 
 def _plan(model: nn.Module, params: dict[str, Any], units: Units) -> list[_Unit]:
@@ -106,47 +103,20 @@ def _plan(model: nn.Module, params: dict[str, Any], units: Units) -> list[_Unit]
         x = params[path]
         _, module, name, is_param = owners[key][0]
         own = (module._parameters if is_param else module._buffers)[name]
-        groups = _merge_groups(path, x, tuple(own.shape)) if isinstance(x, Sharded) else None
-        unit.slots.append((path, x, where, groups))
+        shape = x.shape if isinstance(x, (Sharded, torch.Tensor)) else None
+        if shape is not None and tuple(shape) != tuple(own.shape):
+            raise ShardingError(
+                f"apply: params[{path!r}] has shape {tuple(shape)}, the model's tensor "
+                f"{tuple(own.shape)}; a parameter keeps its shape under every layout (were "
+                "the params made for another model?)"
+            )
+        unit.slots.append((path, x, where))
     return order
-
-
-def _merge_groups(path: str, x: Sharded, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """How many consecutive dims of ``x`` (sharded unflattened: ``Rule(unflatten=)``)
-    make each dim of the module's tensor, or None when the shapes agree."""
-    if x.shape == shape:
-        return None
-    groups: list[int] = []
-    i = 0
-    for size in shape:
-        n, prod = 0, 1
-        while i + n < len(x.shape) and (n == 0 or prod < size):
-            prod *= x.shape[i + n]
-            n += 1
-        if prod != size:
-            break
-        groups.append(n)
-        i += n
-    if i != len(x.shape) or len(groups) != len(shape):
-        raise ShardingError(
-            f"apply: params[{path!r}] has shape {x.shape}, the model's tensor {shape}; they must "
-            "agree (or the params' shape unflatten the model's, as Rule(unflatten=...) makes it)"
-        )
-    return tuple(groups)
-
-
-def _flatten_to(value: torch.Tensor, groups: tuple[int, ...]) -> torch.Tensor:
-    """This rank's piece of an unflattened leaf, its dims merged back in ``groups``."""
-    shape, i = [], 0
-    for n in groups:
-        shape.append(math.prod(value.shape[i : i + n]))
-        i += n
-    return value.reshape(shape)
 
 
 def _moved(unit: _Unit) -> str:
     """The parameters a unit's gathers move, for collective error messages."""
-    paths = [path for path, x, _, _ in unit.slots if isinstance(x, Sharded)]
+    paths = [path for path, x, _ in unit.slots if isinstance(x, Sharded)]
     shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
     return f"{shown} (gathered for {unit.path or 'the model'})"
 
@@ -164,9 +134,7 @@ class _Run:
         self.originals: dict[tuple[int, str], Any] = {}
 
     def _items(self, unit: _Unit) -> list[tuple[Any, Any]]:
-        return [
-            (x, role_layout(x, "compute")) for _, x, _, _ in unit.slots if isinstance(x, Sharded)
-        ]
+        return [(x, role_layout(x, "compute")) for _, x, _ in unit.slots if isinstance(x, Sharded)]
 
     def _start(self, unit: _Unit) -> Gathered:
         if unit.index not in self.pending:
@@ -189,19 +157,17 @@ class _Run:
         if self.prefetch and not self.differentiable and unit.index + 1 < len(self.units):
             self._start(self.units[unit.index + 1])
         it = iter(values)
-        for _path, x, where, groups in unit.slots:
+        for _path, x, where in unit.slots:
             value = next(it) if isinstance(x, Sharded) else x
             if self.tape is not None:
                 value = self.tape.lift(x, value)
-            if groups is not None:
-                value = _flatten_to(value, groups)
             for module, name, is_param in where:
                 table = module._parameters if is_param else module._buffers
                 self.originals.setdefault((id(module), name), (table, name, table[name]))
                 table[name] = value
 
     def leave(self, unit: _Unit) -> None:
-        for _, _, where, _ in unit.slots:
+        for _, _, where in unit.slots:
             for module, name, _ in where:
                 table, _, original = self.originals.pop((id(module), name))
                 table[name] = original

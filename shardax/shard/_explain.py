@@ -35,6 +35,7 @@ def format_bytes(n: float) -> str:
 
 def _rank_numels(layout: Layout, shape: Sequence[int]) -> np.ndarray:
     """Local element count of every rank (flat, rank order)."""
+    shape, layout = layout.expand(shape)  # a blocked dim: k blocks, each split
     mesh = layout.mesh
     grid = np.ones(mesh.axis_sizes, dtype=np.int64)
     for length, axes in zip(shape, layout.dim_axes(len(shape)), strict=True):

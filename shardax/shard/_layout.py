@@ -3,10 +3,12 @@ partial sums."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, normalize_axes
@@ -97,6 +99,40 @@ class Layout:
 
     def local_shape(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
         return self.sharding.local_shape(global_shape, rank)
+
+    def local_boxes(
+        self, global_shape: Sequence[int], rank: int
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``(offsets, sizes)`` of the boxes of ``rank``'s piece (see
+        :meth:`NamedSharding.local_boxes`)."""
+        return self.sharding.local_boxes(global_shape, rank)
+
+    def box_views(
+        self, local: torch.Tensor, global_shape: Sequence[int], rank: int
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+        """``(offsets, sizes, view)`` for each box of ``rank``'s piece:
+        ``view`` is the part of ``local`` (that piece) holding the box."""
+        boxes = self.local_boxes(global_shape, rank)
+        if not self.spec.blocked:
+            return [(*boxes[0], local)]
+        expanded, inner = self.expand(global_shape)
+        viewed = local.reshape(inner.local_shape(expanded, rank))
+        ks = self.spec.dim_blocks(len(global_shape))
+        out = []
+        for index, (offsets, sizes) in zip(
+            itertools.product(*[range(k) for k in ks]), boxes, strict=True
+        ):
+            at: list[Any] = []
+            for i, k in zip(index, ks, strict=True):
+                at += [i, slice(None)] if k > 1 else [slice(None)]
+            out.append((offsets, sizes, viewed[tuple(at)]))
+        return out
+
+    def expand(self, global_shape: Sequence[int]) -> tuple[tuple[int, ...], Layout]:
+        """Blocked dims made two (see :meth:`NamedSharding.expand`); partial
+        axes kept."""
+        shape, sharding = self.sharding.expand(global_shape)
+        return shape, self if sharding is self.sharding else Layout(sharding, partial=self.partial)
 
     def __repr__(self) -> str:
         tail = f", partial={self.partial!r}" if self.partial else ""

@@ -34,22 +34,6 @@ from ._spec import PartitionSpec, as_spec
 __all__ = ["ModuleRule", "Relayout", "install"]
 
 
-def _unflatten(value: Any) -> tuple[int, tuple[int, ...]] | None:
-    if value is None:
-        return None
-    try:
-        dim, sizes = value
-        out = (int(dim), tuple(int(n) for n in sizes))
-    except (TypeError, ValueError):
-        out = None
-    if out is None or not out[1] or out[1].count(-1) > 1 or any(n < 1 and n != -1 for n in out[1]):
-        raise ShardingError(
-            f"unflatten is (dim, sizes) as for torch.Tensor.unflatten, sizes positive with at most "
-            f"one -1, e.g. (1, (3, -1)); got {value!r}"
-        )
-    return out
-
-
 @attrs.frozen(repr=False)
 class Relayout:
     """Move an activation from layout ``src`` (with pending sums over
@@ -63,40 +47,26 @@ class Relayout:
     >>> Relayout(P(None, "tp"), P())               # sequence-split → replicated: all_gather
     Relayout(P(None, 'tp'), P())
 
-    ``unflatten=(dim, sizes)`` moves the activation as ``t.unflatten(dim,
-    sizes)`` (the specs are for that shape) and flattens it back: a packed
-    ``[B, T, 3·d]`` q/k/v output goes from a sequence split to a split of
-    each of its three blocks (each rank: its heads of q, of k and of v).
+    A dim of equal blocks is moved block by block (:func:`shardax.blocks`):
+    a packed ``[B, T, 3·d]`` q/k/v output goes from a sequence split to a
+    split of each of its three blocks (each rank: its heads of q, of k and
+    of v).
 
-    >>> Relayout(P(None, "sp"), P(None, None, None, "sp"), unflatten=(-1, (3, -1)))
-    Relayout(P(None, 'sp'), P(None, None, None, 'sp'), unflatten=(-1, (3, -1)))
+    >>> from shardax import blocks
+    >>> Relayout(P(None, "sp"), P(None, None, blocks(3, "sp")))
+    Relayout(P(None, 'sp'), P(None, None, blocks(3, 'sp')))
     """
 
     src: PartitionSpec = attrs.field(converter=as_spec)
     dst: PartitionSpec = attrs.field(converter=as_spec)
     partial: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
-    unflatten: tuple[int, tuple[int, ...]] | None = attrs.field(
-        default=None, converter=lambda u: _unflatten(u), kw_only=True
-    )
 
     def __call__(self, t: torch.Tensor, mesh: AbstractMesh, where: str = "") -> torch.Tensor:
         """``t`` (this rank's piece in ``src``) moved to ``dst``: this rank's piece."""
+        from ._transfer import transfer
+
         if not isinstance(t, torch.Tensor):
             raise ShardingError(f"{where}: {self!r} needs a tensor; got {type(t).__name__}")
-        if self.unflatten is None:
-            return self._move(t, mesh, where)
-        dim, sizes = self.unflatten
-        d = dim + t.ndim if dim < 0 else dim
-        try:
-            viewed = t.unflatten(d, sizes)
-        except (RuntimeError, IndexError) as err:
-            raise ShardingError(
-                f"{where}: {self!r} cannot unflatten an activation of shape {tuple(t.shape)}: {err}"
-            ) from None
-        return self._move(viewed, mesh, where).flatten(d, d + len(sizes) - 1)
-
-    def _move(self, t: torch.Tensor, mesh: AbstractMesh, where: str) -> torch.Tensor:
-        from ._transfer import transfer
 
         if len(self.src.entries) > t.ndim or len(self.dst.entries) > t.ndim:
             raise ShardingError(
@@ -112,7 +82,6 @@ class Relayout:
 
     def __repr__(self) -> str:
         tail = f", partial={self.partial!r}" if self.partial else ""
-        tail += f", unflatten={self.unflatten!r}" if self.unflatten is not None else ""
         return f"Relayout({self.src!r}, {self.dst!r}{tail})"
 
 

@@ -94,8 +94,6 @@ def init_params(
 
     def keep(path: str, value: torch.Tensor) -> None:
         layout = layout_of[path]
-        if rules is not None:
-            value = value.reshape(rules.view_for(path, value.shape))
         x = _shard_one(value, mesh, layout, None)
         placement = rules.placement(path, x.shape, mesh) if rules is not None else None
         out[path] = Sharded(x.local, x.layout, x.shape, placement=placement)

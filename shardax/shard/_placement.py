@@ -32,7 +32,7 @@ import attrs
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
-from ._spec import P, PartitionSpec
+from ._spec import Blocks, P, PartitionSpec
 
 __all__ = ["ROLES", "Placement", "ShardOver", "role_layout"]
 
@@ -104,17 +104,22 @@ class ShardOver:
         entries = list(spec) + [None] * (len(shape) - len(spec))
         new = math.prod(mesh.size(a) for a in self.axis)
 
+        ks = spec.dim_blocks(len(shape))
+
         def existing(d: int) -> tuple[str, ...]:
             e = entries[d]
+            if isinstance(e, Blocks):
+                return e.axes
             return () if e is None else (e,) if isinstance(e, str) else tuple(e)
 
-        def fits(d: int) -> bool:
+        def fits(d: int) -> bool:  # each block (the dim, unblocked) splits evenly
             have = math.prod(mesh.size(a) for a in existing(d))
-            return shape[d] % (have * new) == 0 and shape[d] >= have * new
+            size = shape[d] // ks[d]
+            return size % (have * new) == 0 and size >= have * new
 
         dim = next((d for d in range(len(shape)) if fits(d)), 0)
         axes = existing(dim) + self.axis
-        entries[dim] = axes[0] if len(axes) == 1 else axes
+        entries[dim] = Blocks(ks[dim], axes) if ks[dim] > 1 else axes[0] if len(axes) == 1 else axes
         while entries and entries[-1] is None:
             entries.pop()
         return P(*entries)

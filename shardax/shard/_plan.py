@@ -22,14 +22,15 @@ partial where asked.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
 from ..errors import ShardingError
 from ._layout import Layout
-from ._spec import P
+from ._spec import Blocks, P
 
-__all__ = ["Plan", "Step", "plan_transfer"]
+__all__ = ["Plan", "Step", "legs", "plan_transfer"]
 
 KINDS = ("slice", "psum_scatter", "all_to_all", "psum", "pad", "mask", "all_gather", "redistribute")
 
@@ -62,7 +63,8 @@ class Step:
 @attrs.frozen
 class Plan:
     """The steps from ``src`` to ``dst`` for ``shape``: ``layouts[i]`` is the
-    layout before ``steps[i]``, ``layouts[-1]`` is ``dst``.
+    layout before ``steps[i]``, ``layouts[-1]`` is ``dst`` (a plan through
+    blocked dims, moved in expanded ``views``, keeps only the two ends).
 
     >>> from shardax import AbstractMesh, P
     >>> mesh = AbstractMesh({"x": 2, "y": 2})
@@ -76,6 +78,9 @@ class Plan:
     shape: tuple[int, ...]
     steps: tuple[Step, ...]
     layouts: tuple[Layout, ...]
+    views: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """Where blocked dims are moved in an expanded view: ``(first step,
+    view shape)`` per leg (:func:`legs`); a step's dims are the view's."""
 
     @property
     def src(self) -> Layout:
@@ -91,8 +96,18 @@ class Plan:
             return f"{layout.spec!r}{tail}"
 
         head = f"{name(self.src)} -> {name(self.dst)} for shape {self.shape}:"
-        body = [f"  {s}" for s in self.steps] or ["  (nothing to do)"]
-        return "\n".join([head, *body])
+        starts = dict(self.views)
+        body = []
+        for i, step in enumerate(self.steps):
+            if i in starts:
+                view = starts[i]
+                body.append(
+                    f"  in the view {view} (each block its own dim):"
+                    if view != self.shape
+                    else "  then in the shape itself:"
+                )
+            body.append(f"  {'  ' if self.views else ''}{step}")
+        return "\n".join([head, *(body or ["  (nothing to do)"])])
 
 
 class _State:
@@ -208,6 +223,56 @@ def _apply(s: _State, step: Step) -> None:
         del s.cur[step.dim][-len(step.axes) :]  # type: ignore[index]
 
 
+def _entries(layout: Layout, ndim: int) -> list[Any]:
+    return list(layout.spec) + [None] * (ndim - len(layout.spec))
+
+
+Leg = tuple[Layout, Layout, Layout, Layout, tuple[int, ...]]
+
+
+def legs(src: Layout, dst: Layout, shape: tuple[int, ...]) -> list[Leg]:
+    """A transfer involving blocked dims (:func:`shardax.blocks`) as
+    transfers between plain layouts. Each leg is ``(a, b, a_x, b_x,
+    shape_x)``: from ``a`` to ``b``, moved as from ``a_x`` to ``b_x`` in the
+    expanded view of both (``shape_x``), where every piece is one box. A dim
+    blocked on one end and split otherwise on the other (or blocked
+    differently) meets at that dim replicated first: two legs. Without
+    blocks: one leg, the transfer itself."""
+    if not (src.spec.blocked or dst.spec.blocked):
+        return [(src, dst, src, dst, shape)]
+    ndim = len(shape)
+    a, b = _entries(src, ndim), _entries(dst, ndim)
+    ka, kb = src.spec.dim_blocks(ndim), dst.spec.dim_blocks(ndim)
+    clash = [
+        d for d in range(ndim)
+        if ka[d] != kb[d] and not (ka[d] == 1 and a[d] is None) and not (kb[d] == 1 and b[d] is None)
+    ]  # fmt: skip
+    if clash:  # meet with those dims whole
+        mid_entries = [None if d in clash else a[d] for d in range(ndim)]
+        mid = Layout(src.mesh, P(*mid_entries), partial=src.partial)
+        return legs(src, mid, shape) + legs(mid, dst, shape)
+    ks = [max(x, y) for x, y in zip(ka, kb, strict=True)]
+    expanded: list[int] = []
+    for size, k in zip(shape, ks, strict=True):
+        if size % k:
+            raise ShardingError(
+                f"a dim of {size} cannot be {k} equal blocks (shape {shape}, {src.spec!r} -> "
+                f"{dst.spec!r})"
+            )
+        expanded += [k, size // k] if k > 1 else [size]
+
+    def expand(layout: Layout, entries: list[Any]) -> Layout:
+        out: list[Any] = []
+        for entry, k in zip(entries, ks, strict=True):
+            if k == 1:
+                out.append(entry)
+            else:
+                out += [None, entry.axes if isinstance(entry, Blocks) else entry]
+        return Layout(layout.mesh, P(*out), partial=layout.partial)
+
+    return [(src, dst, expand(src, a), expand(dst, b), tuple(expanded))]
+
+
 def plan_transfer(src: Layout, dst: Layout, shape: Sequence[int]) -> Plan:
     """The collectives that relayout a tensor of global ``shape`` from ``src``
     to ``dst`` (see the module docstring for the order).
@@ -220,6 +285,13 @@ def plan_transfer(src: Layout, dst: Layout, shape: Sequence[int]) -> Plan:
     """
     shape = src.sharding.check_shape(shape)
     dst.sharding.check_shape(shape)
+    if src.spec.blocked or dst.spec.blocked:  # planned in the expanded view (see legs)
+        steps: list[Step] = []
+        views: list[tuple[int, tuple[int, ...]]] = []
+        for _, _, a, b, view in legs(src, dst, shape):
+            views.append((len(steps), view))
+            steps += plan_transfer(a, b, view).steps
+        return Plan(shape, tuple(steps), (src, dst), tuple(views))
     if src.mesh.abstract != dst.mesh.abstract:
         return _plan_between_meshes(src, dst, shape)
     s = _State(src, dst, len(shape))

@@ -16,7 +16,7 @@ import attrs
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
-from ._modules import ModuleRule, _unflatten
+from ._modules import ModuleRule
 from ._placement import ROLES, Placement, ShardOver
 from ._spec import NamedSharding, P, PartitionSpec, as_spec
 
@@ -50,25 +50,19 @@ class Rule:
     >>> Rule(r".*\\.proj\\.bias", P(), partial="tp")
     Rule('.*\\\\.proj\\\\.bias', P(), partial=('tp',))
 
-    ``unflatten=(dim, sizes)`` shards the leaf as ``x.unflatten(dim, sizes)``:
-    a packed tensor — GPT-2's fused ``c_attn`` weight ``[d, 3·d]`` holds q,
-    k and v side by side — is split block by block, each rank keeping its
-    part of every block (``[d, 3, d/tp]`` under ``P(None, None, "tp")``).
-    The ``Sharded`` leaf, its gradients, optimizer state and checkpoints
-    have the unflattened shape; :func:`shardax.apply` hands modules the
-    local piece flattened back (``[d, 3·d/tp]``: this rank's q, k and v).
+    A dim made of equal blocks — GPT-2's fused ``c_attn`` weight ``[d, 3·d]``
+    holds q, k and v side by side — is split block by block with
+    :func:`shardax.blocks`: each rank keeps its part of every block, and the
+    leaf keeps its shape (``[d, 3·d]`` globally, ``[d, 3·d/tp]`` locally).
 
-    >>> rule = Rule(r".*c_attn\\.weight", P(None, None, "tp"), unflatten=(1, (3, -1)))
-    >>> rule.view((16, 48)), rule.view((16, 3, 16))
-    ((16, 3, 16), (16, 3, 16))
+    >>> from shardax import blocks
+    >>> Rule(r".*c_attn\\.weight", P(None, blocks(3, "tp")))
+    Rule('.*c_attn\\\\.weight', P(None, blocks(3, 'tp')))
     """
 
     pattern: str
     spec: PartitionSpec = attrs.field(converter=as_spec)
     partial: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
-    unflatten: tuple[int, tuple[int, ...]] | None = attrs.field(
-        default=None, converter=lambda u: _unflatten(u), kw_only=True
-    )
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
 
     @_regex.default
@@ -85,14 +79,6 @@ class Rule:
     def matches(self, path: str) -> bool:
         return self._regex.fullmatch(path) is not None
 
-    def view(self, shape: Sequence[int], path: str = "") -> tuple[int, ...]:
-        """The shape a leaf of ``shape`` is sharded in: unflattened when the
-        rule says so and ``shape`` is not already the unflattened one."""
-        shape = tuple(int(n) for n in shape)
-        if self.unflatten is None:
-            return shape
-        return unflattened(shape, self.unflatten, f"{path or self.pattern!r} (rule {self!r})")
-
     def __add__(self, other: Rule | ShardOver | Rules) -> Rules:
         return Rules(self) + other
 
@@ -101,41 +87,7 @@ class Rule:
 
     def __repr__(self) -> str:
         tail = f", partial={self.partial!r}" if self.partial else ""
-        tail += f", unflatten={self.unflatten!r}" if self.unflatten is not None else ""
         return f"Rule({self.pattern!r}, {self.spec!r}{tail})"
-
-
-def unflattened(
-    shape: tuple[int, ...], unflatten: tuple[int, tuple[int, ...]], where: str
-) -> tuple[int, ...]:
-    """``shape`` with dim ``dim`` unflattened into ``sizes`` (``-1``
-    inferred), or ``shape`` itself when it already is that; negative dims
-    count from the end of the flat shape."""
-    dim, sizes = unflatten
-    k = len(sizes)
-    flat_ndim_if_viewed = len(shape) - k + 1
-    for ndim, is_viewed in ((flat_ndim_if_viewed, True), (len(shape), False)):
-        d = dim + ndim if dim < 0 else dim
-        if not 0 <= d < ndim or (is_viewed and k == 1):
-            continue
-        if is_viewed:
-            block = shape[d : d + k]
-            if all(n == -1 or n == b for n, b in zip(sizes, block, strict=True)):
-                return shape
-            continue
-        known = math.prod(n for n in sizes if n != -1)
-        size = shape[d]
-        if -1 in sizes and known and size % known == 0:
-            resolved = tuple(size // known if n == -1 else n for n in sizes)
-        elif math.prod(sizes) == size:
-            resolved = sizes
-        else:
-            break
-        return shape[:d] + resolved + shape[d + 1 :]
-    raise ShardingError(
-        f"{where}: a tensor of shape {shape} cannot be unflattened by {unflatten!r} "
-        "(dim out of range, or its size is not the product of the sizes)"
-    )
 
 
 ShardOver.__add__ = Rule.__add__  # type: ignore[method-assign]
@@ -249,28 +201,16 @@ class Rules:
         """The first rule matching ``path``, or None."""
         return next((r for r in self.rules if r.matches(path)), None)
 
-    def view_for(self, path: str, shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape the leaf at ``path`` is sharded in (see ``Rule(unflatten=)``):
-        ``shape`` itself unless its rule unflattens a dim.
-
-        >>> rules = Rules(Rule("qkv", P(None, None, "tp"), unflatten=(1, (3, -1))))
-        >>> rules.view_for("qkv", (4, 12)), rules.view_for("other", (4, 12))
-        ((4, 3, 4), (4, 12))
-        """
-        rule = self.match(path) if len(shape) else None
-        return rule.view(shape, path) if rule is not None else tuple(int(n) for n in shape)
-
     def spec_for(
         self, path: str, shape: Sequence[int], mesh: AbstractMesh, role: str = "params"
     ) -> PartitionSpec:
         """The spec for one leaf in ``role`` (``"params"``, ``"compute"``,
-        ``"grads"`` or ``"opt_state"``), checked against its shape and the mesh
-        (the shape it is sharded in: :meth:`view_for`)."""
+        ``"grads"`` or ``"opt_state"``), checked against its shape and the mesh."""
         if role not in ROLES:
             raise ShardingError(f"unknown role {role!r}; roles are {ROLES!r}")
         if len(shape) == 0:
             return P()
-        shape = self.view_for(path, shape)
+        shape = tuple(int(n) for n in shape)
         rule = self.match(path)
         if rule is None:
             if self.strict:
@@ -288,7 +228,6 @@ class Rules:
 
     def placement(self, path: str, shape: Sequence[int], mesh: AbstractMesh) -> Placement:
         """The compute, grads and opt_state layouts of one leaf."""
-        shape = self.view_for(path, shape)
         rule = self.match(path) if len(shape) else None
         partial = rule.partial if rule is not None else ()
         compute = Layout(mesh, self.spec_for(path, shape, mesh, "compute"), partial=partial)
@@ -320,7 +259,6 @@ class Rules:
             shape = tuple(getattr(x, "shape", ()))
             if not hasattr(x, "dtype") or not shape:
                 continue
-            shape = self.view_for(path, shape)
             used = set(self.spec_for(path, shape, mesh, role).axes)
             if (axis in used) if axis is not None else used:
                 continue
@@ -358,9 +296,16 @@ def fit_spec(
     except ShardingError as err:
         raise ShardingError(f"{where}{err}{src}") from None
     sharding.check_shape(shape, path=path, source=src)
+    for d, (size, k) in enumerate(zip(shape, sharding.spec.dim_blocks(len(shape)), strict=True)):
+        if size % k:
+            raise ShardingError(
+                f"{where}dim {d} (size {size}) of shape {tuple(shape)} cannot be {k} equal blocks, "
+                f"as {spec!r}{src} says on {mesh!r}; the rule is for another tensor, or the "
+                "block count is wrong"
+            )
     if divisible:
         for d, (size, axes) in enumerate(zip(shape, sharding.dim_axes(len(shape)), strict=True)):
-            n = math.prod(mesh.size(a) for a in axes)
+            n = math.prod(mesh.size(a) for a in axes) * sharding.spec.dim_blocks(len(shape))[d]
             if size % n:
                 raise ShardingError(
                     f"{where}dim {d} (size {size}) of shape {tuple(shape)} is not divisible by {n}, "

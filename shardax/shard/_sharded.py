@@ -93,8 +93,15 @@ class Sharded:
         return Sharded(local, self.layout, self.shape, placement=self.placement)
 
     def bounds(self, rank: int | None = None) -> tuple[tuple[int, int], ...]:
-        """``[start, stop)`` per dim of ``rank``'s piece (default: this rank's)."""
+        """``[start, stop)`` per dim of ``rank``'s piece (default: this rank's);
+        a layout with blocked dims has several boxes instead (:meth:`boxes`)."""
         return self.layout.local_bounds(self.shape, self.mesh.rank if rank is None else rank)
+
+    def boxes(self, rank: int | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``(offsets, sizes)`` of each box of ``rank``'s piece (default: this
+        rank's), in the order the local tensor holds them: one, or one per
+        block where a dim is blocked (:func:`shardax.blocks`)."""
+        return self.layout.local_boxes(self.shape, self.mesh.rank if rank is None else rank)
 
     def __repr__(self) -> str:
         return (
@@ -104,11 +111,21 @@ class Sharded:
 
 
 def local_piece(x: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
-    """``rank``'s piece of the full tensor ``x`` under ``layout`` (a view)."""
-    out = x
-    for d, (a, b) in enumerate(layout.local_bounds(tuple(x.shape), rank)):
-        if b - a != x.size(d):
-            out = out.narrow(d, a, b - a)
+    """``rank``'s piece of the full tensor ``x`` under ``layout``: a view,
+    or, where a dim is blocked, its boxes side by side (a copy)."""
+    parts = []
+    for offsets, sizes in layout.local_boxes(tuple(x.shape), rank):
+        out = x
+        for d, (a, n) in enumerate(zip(offsets, sizes, strict=True)):
+            if n != x.size(d):
+                out = out.narrow(d, a, n)
+        parts.append(out)
+    if len(parts) == 1:
+        return parts[0]
+    shape = tuple(x.shape)
+    out = x.new_empty(layout.local_shape(shape, rank))
+    for (_, _, view), part in zip(layout.box_views(out, shape, rank), parts, strict=True):
+        view.copy_(part)
     return out
 
 

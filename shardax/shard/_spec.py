@@ -8,6 +8,7 @@ layout exactly; for uneven ones it is DTensor's.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -18,9 +19,55 @@ from ..collectives._ops import chunk_sizes
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, unknown_axis
 
-__all__ = ["NamedSharding", "P", "PartitionSpec", "as_spec", "dim_bounds", "piece_sizes"]
+__all__ = [
+    "Blocks", "NamedSharding", "P", "PartitionSpec", "as_spec", "blocks", "dim_bounds",
+    "piece_sizes",
+]  # fmt: skip
 
-Entry = str | tuple[str, ...] | None
+
+@attrs.frozen(repr=False)
+class Blocks:
+    """A spec entry for a dim made of ``k`` equal blocks side by side — a
+    fused q/k/v projection ``[3·d, d]``, gate and up ``[2·f, d]`` — split
+    block by block over ``axes``: each rank holds its part of every block,
+    in block order, and the tensor keeps its shape. Write it with
+    :func:`blocks`.
+
+    >>> from shardax import AbstractMesh
+    >>> s = NamedSharding(AbstractMesh({"tp": 2}), P(blocks(3, "tp"), None))
+    >>> s.local_shape((12, 4), 0), s.local_boxes((12, 4), 1)
+    ((6, 4), [((2, 0), (2, 4)), ((6, 0), (2, 4)), ((10, 0), (2, 4))])
+    """
+
+    k: int
+    axes: tuple[str, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ShardingError(
+                f"blocks(k, ...) needs a positive whole number of blocks; got {self.k!r}"
+            )
+        if not self.axes or not all(isinstance(a, str) for a in self.axes):
+            raise ShardingError(
+                f"blocks({self.k}, ...) needs the mesh axes that split each block; got {self.axes!r}"
+            )
+
+    def __repr__(self) -> str:
+        return f"blocks({self.k}, " + ", ".join(repr(a) for a in self.axes) + ")"
+
+
+def blocks(k: int, *axes: str) -> Blocks:
+    """The spec entry for a dim of ``k`` equal blocks, each split over
+    ``axes`` (one or more mesh axes, first major): see :class:`Blocks`.
+
+    >>> P(None, blocks(3, "tp"))
+    P(None, blocks(3, 'tp'))
+    """
+    flat = tuple(a for x in axes for a in ((x,) if isinstance(x, str) else tuple(x)))
+    return Blocks(k, flat)
+
+
+Entry = str | tuple[str, ...] | Blocks | None
 
 
 def _normalize_entry(entry: Any, raw: tuple[Any, ...]) -> Entry:
@@ -28,12 +75,15 @@ def _normalize_entry(entry: Any, raw: tuple[Any, ...]) -> Entry:
         return None
     if isinstance(entry, str):
         return entry
+    if isinstance(entry, Blocks):
+        return entry if entry.k > 1 else _normalize_entry(entry.axes, raw)
     if isinstance(entry, list | tuple) and all(isinstance(a, str) for a in entry):
         if len(entry) == 0:
             return None
         return entry[0] if len(entry) == 1 else tuple(entry)
     raise ShardingError(
-        f"a spec entry is None, an axis name or a tuple of axis names; got {entry!r} in P{raw!r}"
+        f"a spec entry is None, an axis name, a tuple of axis names or blocks(k, axis, ...); "
+        f"got {entry!r} in P{raw!r}"
     )
 
 
@@ -73,6 +123,21 @@ class PartitionSpec:
     def axes(self) -> tuple[str, ...]:
         """Every axis the spec uses, dim by dim."""
         return tuple(a for e in self.entries for a in _entry_axes(e))
+
+    def dim_blocks(self, ndim: int) -> tuple[int, ...]:
+        """The number of blocks of each of ``ndim`` dims (1: not blocked).
+
+        >>> P(None, blocks(3, "tp")).dim_blocks(3)
+        (1, 3, 1)
+        """
+        self.dim_axes(ndim)  # checks ndim
+        ks = tuple(e.k if isinstance(e, Blocks) else 1 for e in self.entries)
+        return ks + (1,) * (ndim - len(ks))
+
+    @property
+    def blocked(self) -> bool:
+        """Whether some dim is split block by block (:func:`blocks`)."""
+        return any(isinstance(e, Blocks) for e in self.entries)
 
     def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
         """The axes of each of ``ndim`` dims (padded with ``()``).
@@ -129,6 +194,8 @@ P = PartitionSpec
 def _entry_axes(entry: Entry) -> tuple[str, ...]:
     if entry is None:
         return ()
+    if isinstance(entry, Blocks):
+        return entry.axes
     return (entry,) if isinstance(entry, str) else entry
 
 
@@ -207,9 +274,45 @@ class NamedSharding:
     def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
         return self.spec.dim_axes(ndim)
 
-    def local_bounds(self, global_shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...]:
-        """``[start, stop)`` per dim of ``rank``'s piece."""
+    def expand(self, global_shape: Sequence[int]) -> tuple[tuple[int, ...], NamedSharding]:
+        """The shape and sharding with every blocked dim (:func:`blocks`) made
+        two — ``k`` blocks, then the block itself, split over the axes — in
+        which each rank's piece is one box. Unblocked: ``(shape, self)``.
+
+        >>> s = NamedSharding(AbstractMesh({"tp": 2}), P(None, blocks(3, "tp")))
+        >>> s.expand((4, 12))
+        ((4, 3, 4), NamedSharding(AbstractMesh({'tp': 2}), P(None, None, 'tp')))
+        """
         shape = self.check_shape(global_shape)
+        if not self.spec.blocked:
+            return shape, self
+        out_shape: list[int] = []
+        entries: list[Any] = []
+        for size, entry in zip(
+            shape, list(self.spec) + [None] * (len(shape) - len(self.spec)), strict=True
+        ):
+            if isinstance(entry, Blocks):
+                if size % entry.k:
+                    raise ShardingError(
+                        f"{self.spec!r}: a dim of {size} cannot be {entry.k} equal blocks "
+                        f"(shape {shape}, {self.mesh!r})"
+                    )
+                out_shape += [entry.k, size // entry.k]
+                entries += [None, entry.axes]
+            else:
+                out_shape.append(size)
+                entries.append(entry)
+        return tuple(out_shape), NamedSharding(self.mesh, P(*entries))
+
+    def local_bounds(self, global_shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...]:
+        """``[start, stop)`` per dim of ``rank``'s piece (one box: not for a
+        blocked spec, whose pieces are :meth:`local_boxes`)."""
+        shape = self.check_shape(global_shape)
+        if self.spec.blocked:
+            raise ShardingError(
+                f"internal: {self.spec!r} splits a dim block by block: a piece is several boxes "
+                "(local_boxes), not one"
+            )
         coords = self.mesh.coords(rank)
         sizes = self.mesh.shape
         return tuple(
@@ -217,9 +320,45 @@ class NamedSharding:
             for d, axes in zip(shape, self.dim_axes(len(shape)), strict=True)
         )
 
+    def local_boxes(
+        self, global_shape: Sequence[int], rank: int
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``(offsets, sizes)`` of each box of ``rank``'s piece, in the order
+        its local tensor holds them (several only where a dim is blocked:
+        one per block, the first dim's blocks outermost); empty boxes
+        included."""
+        shape = self.check_shape(global_shape)
+        expanded, inner = self.expand(shape)
+        bounds = inner.local_bounds(expanded, rank)
+        ks = self.spec.dim_blocks(len(shape))
+        boxes = []
+        for index in itertools.product(*[range(k) for k in ks]):
+            offsets, sizes, j = [], [], 0
+            for d, k in enumerate(ks):
+                if k == 1:
+                    a, b = bounds[j]
+                    j += 1
+                else:
+                    a, b = bounds[j + 1]
+                    a, b = index[d] * expanded[j + 1] + a, index[d] * expanded[j + 1] + b
+                    j += 2
+                offsets.append(a)
+                sizes.append(b - a)
+            boxes.append((tuple(offsets), tuple(sizes)))
+        return boxes
+
     def local_shape(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s piece (uneven dims: later ranks may be smaller)."""
-        return tuple(b - a for a, b in self.local_bounds(global_shape, rank))
+        shape = self.check_shape(global_shape)
+        if not self.spec.blocked:
+            return tuple(b - a for a, b in self.local_bounds(shape, rank))
+        expanded, inner = self.expand(shape)
+        local = inner.local_shape(expanded, rank)
+        out, j = [], 0
+        for k in self.spec.dim_blocks(len(shape)):
+            out.append(local[j] if k == 1 else local[j] * local[j + 1])
+            j += 1 if k == 1 else 2
+        return tuple(out)
 
     def shard_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
         """Shape of the largest piece (rank 0's); every piece when divisible."""
@@ -229,6 +368,11 @@ class NamedSharding:
         """``{rank: index}`` of every rank's piece; like JAX's, with ranks for
         devices (``slice(None)`` for dims no axis of size > 1 splits)."""
         shape = self.check_shape(global_shape)
+        if self.spec.blocked:
+            raise ShardingError(
+                f"{self.spec!r} splits a dim block by block: a rank's piece is several boxes, "
+                "not one index (use local_boxes)"
+            )
         sizes = self.mesh.shape
         split = [math.prod(sizes[a] for a in axes) > 1 for axes in self.dim_axes(len(shape))]
         out = {}

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
+import torch
 import torch.distributed as dist
 
 from ..collectives._api import apply_op
+from ..collectives._backend import Handle
 from ..collectives._ops import (
     AllGather,
     AllReduce,
@@ -17,11 +20,12 @@ from ..collectives._ops import (
     Pad,
     ReduceScatter,
     Slice,
+    register_transpose,
 )
 from ..errors import ShardingError
 from ..mesh._mesh import Mesh
 from ._layout import Layout, as_layout
-from ._plan import Step, plan_transfer
+from ._plan import Step, legs, plan_transfer
 from ._redistribute import Redistribute
 from ._sharded import Sharded
 from ._spec import piece_sizes
@@ -57,14 +61,43 @@ def _op(step: Step, before: Layout, after: Layout, shape: tuple[int, ...]) -> Op
     return AllToAll(group, e, d, split, concat)
 
 
+@attrs.frozen
+class View(Op):
+    """A local reshape of this rank's piece between a layout with blocked
+    dims and its expanded view (``legs``), where each piece is one box."""
+
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+    name: ClassVar[str] = "view"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        return Handle.ready(x.reshape(self.after))
+
+
+register_transpose(View, lambda op: View(op.group, op.after, op.before))
+
+
 @functools.lru_cache(maxsize=1024)
 def _compile(src: Layout, dst: Layout, shape: tuple[int, ...], job: Any) -> tuple[Op, ...]:
     """The ops of the plan from ``src`` to ``dst``, built once per (layouts,
     shape, job): a transfer repeated every step (a ZeRO-3 gather, say) neither
-    replans nor rebuilds its ops."""
-    plan = plan_transfer(src, dst, shape)
-    pairs = zip(plan.steps, plan.layouts[:-1], plan.layouts[1:], strict=True)
-    return tuple(_op(step, before, after, shape) for step, before, after in pairs)
+    replans nor rebuilds its ops. Blocked dims are moved in their expanded
+    view (:func:`~shardax.shard._plan.legs`), with a local reshape into it
+    and out of it around each leg."""
+    ops: list[Op] = []
+    for a, b, a_x, b_x, view in legs(src, dst, shape):
+        plan = plan_transfer(a_x, b_x, view)
+        pairs = zip(plan.steps, plan.layouts[:-1], plan.layouts[1:], strict=True)
+        leg = [_op(step, before, after, view) for step, before, after in pairs]
+        if view != shape:
+            mesh = a.mesh
+            assert isinstance(mesh, Mesh)
+            group, rank = mesh.group(mesh.axis_names), mesh.rank
+            into = View(group, a.local_shape(shape, rank), a_x.local_shape(view, rank))
+            back = View(group, b_x.local_shape(view, rank), b.local_shape(shape, rank))
+            leg = [into, *leg, back]
+        ops += leg
+    return tuple(ops)
 
 
 def _job(src: Layout, dst: Layout) -> Any:

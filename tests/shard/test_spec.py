@@ -25,7 +25,7 @@ def test_spec_entries_are_normalized():
     ("entries", "message"),
     [
         (("dp", ("tp", "dp")), "appears twice"),
-        ((3,), "a spec entry is None, an axis name or a tuple"),
+        ((3,), "a spec entry is None, an axis name, a tuple of axis names or blocks"),
         ((("dp", 1),), "a spec entry is None"),
     ],
 )

@@ -269,41 +269,42 @@ def test_rules_name_what_they_leave_replicated():
 
 
 def test_packed_tensors_are_split_block_by_block():
-    """Rule(unflatten=...): a [d, 3·d] q|k|v weight sharded as [d, 3, d]
-    gives each rank its part of q, of k and of v; apply hands the module
-    the local piece flattened back, and an activation Relayout can do the
-    same."""
-    rule = sx.Rule("qkv", sx.P(None, None, "tp"), unflatten=(1, (3, -1)))
-    assert eval(repr(rule), {"Rule": sx.Rule, "P": sx.P}) == rule
+    """``blocks``: a [d, 3·d] q|k|v weight split block by block gives each
+    rank its part of q, of k and of v and keeps its shape; ``apply`` hands
+    the module that piece as it is; an activation Relayout moves blocks
+    too; a block count that does not divide the dim is an error naming it."""
+    rule = sx.Rule("qkv", sx.P(None, sx.blocks(3, "tp")))
+    assert eval(repr(rule), {"Rule": sx.Rule, "P": sx.P, "blocks": sx.blocks}) == rule
     mesh = sx.AbstractMesh({"tp": 2})
     layout = sx.Layout(mesh, sx.Rules(rule).spec_for("qkv", (4, 12), mesh))
+    assert layout.local_shape((4, 12), 1) == (4, 6)
+    assert layout.local_boxes((4, 12), 1) == [((0, 2), (4, 2)), ((0, 6), (4, 2)), ((0, 10), (4, 2))]
     w = torch.arange(48.0).reshape(4, 12)
-    pieces = [w.unflatten(1, (3, -1))[:, :, r * 2 : (r + 1) * 2] for r in range(2)]
-    assert layout.local_shape((4, 3, 4), 1) == (4, 3, 2)
-    assert torch.equal(pieces[1].flatten(1), w[:, [2, 3, 6, 7, 10, 11]])
+    piece = torch.cat(
+        [view for _, _, view in layout.box_views(w[:, [2, 3, 6, 7, 10, 11]], (4, 12), 1)], 1
+    )
+    assert torch.equal(piece, w[:, [2, 3, 6, 7, 10, 11]])
 
     live = sx.Mesh({"tp": 1})
-    linear = torch.nn.Linear(4, 12, bias=False)  # weight [12, 4]: unflatten dim 0
+    linear = torch.nn.Linear(4, 12, bias=False)  # weight [12, 4]: blocks on dim 0
     params = sx.shard(
-        {"weight": linear.weight.detach()},
-        live,
-        sx.Rule("weight", sx.P(None, "tp"), unflatten=(0, (3, -1))),
+        {"weight": linear.weight.detach()}, live, sx.Rule("weight", sx.P(sx.blocks(3, "tp")))
     )
-    assert params["weight"].shape == (3, 4, 4)
+    assert params["weight"].shape == (12, 4)
     x = torch.randn(2, 4)
     torch.testing.assert_close(sx.apply(linear, params, x), linear(x))
     with pytest.raises(sx.ShardingError, match=r"params\['weight'\] has shape \(5, 4\)"):
         sx.apply(linear, sx.shard({"weight": torch.zeros(5, 4)}, live, sx.P()), x)
-    with pytest.raises(sx.ShardingError, match=r"cannot be unflattened by \(1, \(3, -1\)\)"):
-        rule.view((4, 13), "qkv")
-    with pytest.raises(sx.ShardingError, match="at most one -1"):
-        sx.Rule("x", sx.P(), unflatten=(0, (-1, -1)))
-
-    to_heads = sx.rules.Relayout(sx.P(), sx.P(None, None, "tp"), unflatten=(-1, (3, -1)))
-    assert torch.equal(to_heads(w, live), w)  # one rank: every block whole
     with pytest.raises(
-        sx.ShardingError, match=r"cannot unflatten an activation of shape \(4, 13\)"
+        sx.ShardingError, match=r"dim 1 \(size 13\) of shape \(4, 13\) cannot be 3 equal blocks"
     ):
+        sx.Rules(rule).spec_for("qkv", (4, 13), mesh)
+    with pytest.raises(sx.ShardingError, match="a positive whole number of blocks"):
+        sx.blocks(0, "tp")
+
+    to_heads = sx.rules.Relayout(sx.P(), sx.P(None, sx.blocks(3, "tp")))
+    assert torch.equal(to_heads(w, live), w)  # one rank: every block whole
+    with pytest.raises(sx.ShardingError, match=r"a dim of 13 cannot be 3 equal blocks"):
         to_heads(torch.zeros(4, 13), live)
 
 

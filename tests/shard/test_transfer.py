@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_ranks
-from _layouts import all_layouts, assemble, integer_tensor, represent
+from _layouts import all_layouts, assemble, blocked_layouts, integer_tensor, represent
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,9 +19,14 @@ from shardax import collectives as C
 SHAPES = [(4, 6), (5, 3), (1, 3)]  # even; uneven; mostly empty shards
 
 
-def _pairs(mesh_shape: dict[str, int], shape: tuple[int, ...]) -> dict:
+def _layouts_for(mesh: sx.AbstractMesh, shape: tuple[int, ...], blocked: bool) -> list[Layout]:
+    plain = all_layouts(mesh, len(shape))
+    return blocked_layouts(mesh) + plain if blocked else plain
+
+
+def _pairs(mesh_shape: dict[str, int], shape: tuple[int, ...], blocked: bool = False) -> dict:
     mesh = sx.Mesh(mesh_shape)
-    layouts = all_layouts(mesh, len(shape))
+    layouts = _layouts_for(mesh, shape, blocked)
     x_dense, g_dense = integer_tensor(shape, 1), integer_tensor(shape, 2)
     out = {}
     for i, src in enumerate(layouts):
@@ -44,6 +49,28 @@ def test_every_layout_pair_matches_dense(world_size, mesh_shape, shape):
     results = run_ranks(_pairs, mesh_shape, shape, world_size=world_size)
     mesh = sx.AbstractMesh(mesh_shape)
     layouts = all_layouts(mesh, len(shape))
+    x_dense, g_dense = integer_tensor(shape, 1), integer_tensor(shape, 2)
+    assert len(results[0]) == len(layouts) ** 2
+    for (i, j), _ in results[0].items():
+        src, dst = layouts[i], layouts[j]
+        y = assemble([r[(i, j)][0] for r in results], dst, shape)
+        g = assemble([r[(i, j)][1] for r in results], src.dual(), shape)
+        torch.testing.assert_close(y, x_dense, rtol=0, atol=0, msg=f"forward {src} -> {dst}")
+        torch.testing.assert_close(g, g_dense, rtol=0, atol=0, msg=f"backward {src} -> {dst}")
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    ("world_size", "mesh_shape"), [(2, {"x": 2, "y": 1}), (4, {"x": 2, "y": 2})], ids=["ws2", "ws4"]
+)
+def test_blocked_layouts_to_and_from_every_layout_match_dense(world_size, mesh_shape):
+    """A dim of equal blocks split block by block (``blocks``): to and from
+    every plain layout and each other, forward and backward, exact; the
+    shape stays (6, 4) throughout (blocks of 2 split over 4 ranks: uneven,
+    some empty)."""
+    shape = (6, 4)
+    results = run_ranks(_pairs, mesh_shape, shape, True, world_size=world_size)
+    layouts = _layouts_for(sx.AbstractMesh(mesh_shape), shape, True)
     x_dense, g_dense = integer_tensor(shape, 1), integer_tensor(shape, 2)
     assert len(results[0]) == len(layouts) ** 2
     for (i, j), _ in results[0].items():
