@@ -222,9 +222,11 @@ def apply(
         prefetch: start the next unit's gather while this one computes.
         rules: :class:`Rules` whose :class:`ModuleRule` entries relayout
             activations at module boundaries or replace a module's forward
-            (tensor and sequence parallelism: ``rules.megatron``); their
-            parameter rules are not used here (the params carry their
-            placements).
+            (tensor and sequence parallelism: ``rules.megatron``). Not
+            needed for params made by :func:`shardax.shard` or
+            :func:`shardax.init_params` from rules: they carry their
+            placements and these module rules, which apply installs; given,
+            they are used instead.
         **kwargs: keyword arguments of ``model``'s forward.
 
     Returns:
@@ -255,7 +257,7 @@ def apply(
         raise ShardingError(
             f"apply(rules=...) takes Rules (or a Rule, or a list of them); got {type(rules).__name__}"
         )
-    module_rules = bound.modules if bound is not None else ()
+    module_rules = bound.modules if bound is not None else _bound_modules(params)
     uninstall = install(model, module_rules, mesh)
     try:
         for unit in run.units[1:]:
@@ -274,6 +276,25 @@ def apply(
         uninstall()
         run.close()
     return out
+
+
+def _bound_modules(params: dict[str, Any]) -> tuple[Any, ...]:
+    """The module rules the params were placed with (every ``Sharded``
+    parameter placed by rules carries them); one set, or an error naming
+    two parameters placed by different rules."""
+    first: tuple[str, tuple[Any, ...]] | None = None
+    for path, x in params.items():
+        if not isinstance(x, Sharded) or x.placement is None:
+            continue
+        if first is None:
+            first = (path, x.placement.modules)
+        elif x.placement.modules != first[1]:
+            raise ShardingError(
+                f"apply: params[{first[0]!r}] and params[{path!r}] were placed by rules with "
+                "different module rules; shard all params with one Rules, or pass rules= to "
+                "say which apply installs"
+            )
+    return first[1] if first is not None else ()
 
 
 def _pre(run: _Run, unit: _Unit) -> Callable[..., None]:

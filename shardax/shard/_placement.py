@@ -134,7 +134,8 @@ class ShardOver:
 @attrs.frozen(repr=False)
 class Placement:
     """The layouts of a parameter's other roles (its own layout is the params
-    role). Built by :func:`shardax.shard` from rules; carried by the
+    role), and the module rules that go with them. Built by
+    :func:`shardax.shard` (and ``init_params``) from rules; carried by the
     ``Sharded`` parameter so that :func:`shardax.apply`,
     :func:`shardax.value_and_grad` and the optimizers need no rules.
 
@@ -147,6 +148,9 @@ class Placement:
     compute: Layout
     grads: Layout
     opt_state: Layout
+    modules: tuple[Any, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    """The module rules (:class:`~shardax.ModuleRule`) of the rules that
+    placed it: :func:`shardax.apply` installs them, with no ``rules=``."""
 
     def __attrs_post_init__(self) -> None:
         meshes = {self.compute.mesh, self.grads.mesh, self.opt_state.mesh}

@@ -232,7 +232,7 @@ class Rules:
         partial = rule.partial if rule is not None else ()
         compute = Layout(mesh, self.spec_for(path, shape, mesh, "compute"), partial=partial)
         grads, opt = (Layout(mesh, self.spec_for(path, shape, mesh, r)) for r in ROLES[2:])
-        return Placement(compute, grads, opt)
+        return Placement(compute, grads, opt, modules=self.modules)
 
     def unmatched(self, paths: Iterable[str]) -> list[str]:
         """The paths no rule matches."""

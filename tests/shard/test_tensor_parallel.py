@@ -65,7 +65,9 @@ def train_tp(shape: dict[str, int], stage: int, sp: bool = False) -> tuple[list[
     model, params = gpt_params(mesh, rules)
 
     def loss_fn(p, x, y):
-        logits = sx.apply(model, p, x, rules=rules)  # this rank's vocabulary piece
+        logits = sx.apply(
+            model, p, x
+        )  # the params carry the module rules; this rank's vocabulary piece
         return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
 
     batches = [batch(step) for step in range(STEPS)]
@@ -306,6 +308,20 @@ def test_packed_tensors_are_split_block_by_block():
     assert torch.equal(to_heads(w, live), w)  # one rank: every block whole
     with pytest.raises(sx.ShardingError, match=r"a dim of 13 cannot be 3 equal blocks"):
         to_heads(torch.zeros(4, 13), live)
+
+
+def test_params_carry_their_module_rules_and_one_set_at_a_time():
+    mesh = sx.Mesh({"tp": 1})
+    rules = sx.rules.megatron("tp")
+    model, params = gpt_params(mesh, rules)
+    assert params["blocks.0.mlp.proj.weight"].placement.modules == rules.modules
+    x, _ = batch(0)
+    torch.testing.assert_close(sx.apply(model, params, x), sx.apply(model, params, x, rules=rules))
+    other = sx.init_params(model, mesh, sx.rules.megatron("tp", sequence_parallel=True))
+    mixed = {**params, "blocks.1.mlp.proj.weight": other["blocks.1.mlp.proj.weight"]}
+    with pytest.raises(sx.ShardingError, match=r"placed by rules with different module rules"):
+        sx.apply(model, mixed, x)
+    sx.apply(model, mixed, x, rules=rules)  # rules= says which
 
 
 def test_local_sizes_needs_divisible_integer_attributes():
