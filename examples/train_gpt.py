@@ -269,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpt.dir, every=ckpt.every or steps, keep=ckpt.keep, async_save=ckpt.async_save
     )
     meta = {"preset": args.preset, "config": attrs.asdict(cfg), "seed": run.seed}
+    meta.update(sx.ckpt.model_metadata(model))  # tied names: the consolidated file loads strictly
     start = 0
     if args.resume:
         target = {"params": params, "opt_state": opt_state, "step": 0}

@@ -16,6 +16,7 @@ from ._format import read_index as read_index
 from ._load import RNG_POLICIES as RNG_POLICIES
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
+from ._model import model_metadata as model_metadata
 from ._offline import consolidate as consolidate
 from ._offline import import_dense as import_dense
 from ._offline import reshard as reshard
@@ -35,6 +36,7 @@ __all__ = [
     "consolidate",
     "import_dense",
     "load",
+    "model_metadata",
     "read_index",
     "reshard",
     "save",

@@ -389,11 +389,17 @@ def reshard_command(
 
 @ckpt_command.command("consolidate")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
-@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("out", type=click.Path())
 @click.option(
     "--only",
     metavar="KEY",
     help="Keep the leaves under this key path (e.g. params), named below it.",
+)
+@click.option(
+    "--hf",
+    is_flag=True,
+    help="OUT is a folder for Hugging Face's from_pretrained: model.safetensors and the "
+    "config.json the checkpoint recorded (save with metadata=sx.ckpt.model_metadata(model)).",
 )
 @_DTYPE
 @_FORCE
@@ -403,6 +409,7 @@ def consolidate_command(
     src: str,
     out: str,
     only: str | None,
+    hf: bool,
     dtype: str | None,
     force: bool,
     buffer_mib: int,
@@ -410,15 +417,19 @@ def consolidate_command(
 ) -> None:
     """Write checkpoint SRC as one dense safetensors file OUT, streaming: the
     memory used is bounded by --buffer-mib, not by the model, and with --only
-    nothing else (optimizer state, say) is read.
+    nothing else (optimizer state, say) is read. A checkpoint that recorded
+    its model (sx.ckpt.model_metadata) gets tied weights under each name and
+    no non-persistent buffers: model.load_state_dict(..., strict=True) takes
+    the file.
 
     \b
     Examples:
       shardax ckpt consolidate ckpt/ model.safetensors --only params --dtype bf16
       python -c "import safetensors.torch as s; print(list(s.load_file('model.safetensors')))"
+      shardax ckpt consolidate ckpt/ gpt2-out/ --only params --hf
     """
     _check_dtype(dtype)
-    _check_dst(out, force, directory=False)
+    _check_dst(out, force, directory=hf)
     try:
         index = read_index(src)
         with _bar(total_bytes(index, only, dtype), "consolidating", quiet) as progress:
@@ -429,11 +440,13 @@ def consolidate_command(
                 dtype=dtype,
                 buffer_bytes=buffer_mib * _MIB,
                 progress=progress,
+                hf=hf,
             )
     except CheckpointError as e:
         _fail(e)
     n = total_tensors(index, only)
-    click.echo(f"wrote {path} ({_human(path.stat().st_size)}; {n} tensors from {src})")
+    file = path / "model.safetensors" if hf else path
+    click.echo(f"wrote {path} ({_human(file.stat().st_size)}; {n} tensors from {src})")
 
 
 @ckpt_command.command("import")

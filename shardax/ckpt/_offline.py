@@ -45,6 +45,7 @@ from ._format import (
     write_index,
 )
 from ._load import fill, spec_by_rules
+from ._model import MODEL_KEY
 from ._save import (
     RNG_PREFIX,
     _commit,
@@ -359,6 +360,7 @@ def consolidate(
     dtype: torch.dtype | str | None = None,
     buffer_bytes: int = BUFFER,
     progress: Progress | None = None,
+    hf: bool = False,
 ) -> Path:
     """Write the checkpoint ``src`` as one dense safetensors file ``out``,
     streaming (memory bounded by ``buffer_bytes``, one row at least).
@@ -368,6 +370,14 @@ def consolidate(
     ``safetensors.torch.load_file`` gives to ``model.load_state_dict``; the
     rest (optimizer state, say) is never read. ``dtype`` casts floating
     tensors. JSON values under ``only`` go to the file's metadata.
+
+    A checkpoint saved with ``metadata=sx.ckpt.model_metadata(model)``
+    gives the model its own file: a tied parameter is written under each of
+    its names and buffers outside ``state_dict()`` are left out, so
+    ``model.load_state_dict(load_file(out), strict=True)`` takes it.
+    ``hf=True`` makes ``out`` a folder that Hugging Face's
+    ``from_pretrained`` loads: ``model.safetensors`` and the model's
+    ``config.json``.
 
     >>> import tempfile, torch, shardax as sx, safetensors.torch
     >>> d = tempfile.mkdtemp()
@@ -381,10 +391,27 @@ def consolidate(
     root, target = live_dir(src), Path(out).absolute()
     if target.resolve().is_relative_to(root.resolve()):
         raise CheckpointError(f"{out} is inside the checkpoint {src}; write it elsewhere")
-    if target.is_dir():
-        raise CheckpointError(f"{out} is a directory; consolidate writes one .safetensors file")
     index = read_index(root)
+    model = index.metadata.get(MODEL_KEY) or {}
+    if hf:
+        if not model.get("hf_config"):
+            raise CheckpointError(
+                f"{src} records no Hugging Face config; save it with "
+                "metadata=sx.ckpt.model_metadata(model) (a transformers model) to consolidate "
+                "it as a Hugging Face folder"
+            )
+        if target.exists() and not target.is_dir():
+            raise CheckpointError(f"{out} is a file; with hf=True it is the folder to write")
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "config.json").write_text(json.dumps(model["hf_config"], indent=2) + "\n")
+        target = target / "model.safetensors"
+    elif target.is_dir():
+        raise CheckpointError(f"{out} is a directory; consolidate writes one .safetensors file")
     names = _selected(index, only)
+    skipped = set(model.get("not_saved", ()))
+    names = {p: n for p, n in names.items() if n not in skipped}
+    by_name = {n: p for p, n in names.items()}
+    aliases = [(a, by_name[c]) for a, c in model.get("aliases", {}).items() if c in by_name]
     cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     progress = progress or _noop
     tensors, values = [], {}
@@ -397,10 +424,14 @@ def consolidate(
         tensors.append(
             (path, name, cast if cast is not None and saved.is_floating_point else saved)
         )
+    want_of = {p: d for p, _, d in tensors}
+    tensors += [(path, alias, want_of[path]) for alias, path in aliases if path in want_of]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
     writer = ShardWriter(
-        tmp, [(n, d, index.leaves[p].shape) for p, n, d in tensors], metadata=values
+        tmp,
+        [(n, d, index.leaves[p].shape) for p, n, d in tensors],
+        metadata={"format": "pt", **values},  # "format": what transformers' loader asks for
     )
     try:
         with Files(root) as files:
@@ -423,7 +454,7 @@ def consolidate(
         raise
     os.replace(tmp, target)
     _fsync_dir(target.parent)
-    return target
+    return target.parent if hf else target
 
 
 def _dense_source(src: Path, prefix: str | None) -> _Source:
