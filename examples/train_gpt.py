@@ -44,7 +44,7 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -88,10 +88,10 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def evaluate(model: GPT, params: dict, batches: list[dict], mesh: sx.Mesh) -> float:
+def evaluate(logits_of: Callable, params: dict, batches: list[dict], mesh: sx.Mesh) -> float:
     """Mean loss on ``batches`` (each rank its own), averaged over the dp axis."""
     with torch.no_grad():
-        total = sum(cross_entropy(sx.apply(model, params, b["x"]), b["y"]) for b in batches)
+        total = sum(cross_entropy(logits_of(params, b["x"]), b["y"]) for b in batches)
     return float(sx.collectives.pmean(total / len(batches), "dp", mesh=mesh))
 
 
@@ -104,7 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, help="a run config (hjson); flags override it")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size")
     parser.add_argument("--zero", type=int, choices=range(4), default=3, help="ZeRO stage")
-    parser.add_argument("--mesh", type=parse_mesh, default={"dp": -1}, help="e.g. dp=-1")
+    parser.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default={"dp": -1},
+        help="e.g. dp=-1 or dp=2,tp=2 (an axis named tp does tensor parallelism)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (rules.megatron over a tp axis added to the mesh)",
+    )
+    parser.add_argument(
+        "--sp", action="store_true", help="Megatron sequence parallelism over tp (needs --tp)"
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument(
@@ -199,6 +213,16 @@ def run_config(args: argparse.Namespace, given: set[str]) -> sx.config.RunConfig
             str(value) if isinstance(value, Path) else (value or None) if flag == "clip" else value
         )
         (data.setdefault(section, {}) if section else data)[key] = value
+    mesh, parallel = dict(data.get("mesh") or {"dp": -1}), data.setdefault("parallel", {})
+    if args.tp > 1:
+        if mesh.get("tp", args.tp) != args.tp:
+            raise sx.config.ConfigError(f"--tp {args.tp} but the mesh says tp={mesh['tp']}")
+        mesh["tp"] = args.tp
+    if mesh.get("tp", 1) != 1 and not parallel.get("tp"):  # an axis named tp: tensor parallelism
+        parallel["tp"] = "tp"
+    if args.sp:
+        parallel["sequence_parallel"] = True
+    data["mesh"] = mesh
     return sx.config.RunConfig.from_dict(data, str(args.config or "the command line"))
 
 
@@ -248,10 +272,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{mesh} on {info.world_size} rank(s); GPT {args.preset}: "
         f"{param_count(cfg) / 1e6:.2f}M params; ZeRO-{run.parallel.zero}, {run.optimizer.type}, "
         f"{precision}, global batch {batch.global_size} x {cfg.seq_len} tokens"
-        + (f" in {accumulation} micro-steps" if accumulation > 1 else ""),
+        + (f" in {accumulation} micro-steps" if accumulation > 1 else "")
+        + (f"; tensor parallel over {run.parallel.tp}" if run.parallel.tp else "")
+        + (" with sequence parallelism" if run.parallel.sequence_parallel else ""),
         f"unigram baseline (a model that ignores context): {train.unigram_entropy():.3f} nats/byte",
     )
 
+    if precision == "fp16" and info.device.type == "cpu":
+        say(
+            "warning: fp16 on CPU has no fast matmul kernels (about 3.5x slower than fp32 on "
+            "the 2-core test host); bf16 is the CPU half precision (--precision bf16)"
+        )
     with torch.device("meta"):
         model = GPT(cfg)
     torch.manual_seed(run.seed)
@@ -293,8 +324,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"resumed from {where} at step {start} (rng: {args.rng})")
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
 
+    tp = run.parallel.tp  # tensor parallelism: the head's logits are this rank's vocabulary piece
+
     def loss_fn(params: dict, batch: dict, scale: float) -> torch.Tensor:
-        return cross_entropy(sx.apply(model, params, batch["x"]), batch["y"]) * scale
+        logits = sx.apply(model, params, batch["x"])
+        if tp is not None:
+            return (
+                sx.vocab_parallel_cross_entropy(logits.float(), batch["y"], tp, mesh=mesh) * scale
+            )
+        return cross_entropy(logits, batch["y"]) * scale
+
+    def logits_of(params: dict, x: torch.Tensor, rules: sx.Rules | None = None) -> torch.Tensor:
+        """The whole vocabulary's logits (gathered over tp)."""
+        logits = sx.apply(model, params, x, rules=rules)
+        return logits if tp is None else sx.collectives.all_gather(logits, tp, -1, mesh=mesh)
 
     grad_fn = sx.value_and_grad(loss_fn, bucket_bytes=run.parallel.bucket_bytes)
     tokens_per_step = batch.global_size * cfg.seq_len
@@ -351,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     val_sampler = sx.data.Sampler(len(val), micro_global, mesh, P("dp"), shuffle=False)
     val_batches = list(sx.data.batches(val, val_sampler, num_steps=args.eval_batches))
-    val_loss = evaluate(model, params, val_batches, mesh) if val_batches else float("nan")
+    val_loss = evaluate(logits_of, params, val_batches, mesh) if val_batches else float("nan")
     say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
 
     manager.wait()
@@ -360,8 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.sample_tokens > 0:
         prompt = sx.data.TextDataset.encode(args.prompt)[None]
+        # Prompts grow one token at a time: sequence parallelism, which splits the
+        # sequence over tp, gives way to plain tensor parallelism (same parameters).
+        plain = sx.rules.megatron(tp) if tp is not None and run.parallel.sequence_parallel else None
         out = generate(
-            lambda idx: sx.apply(model, params, idx),
+            lambda idx: logits_of(params, idx, plain),
             prompt,
             args.sample_tokens,
             temperature=0.8,

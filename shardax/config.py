@@ -399,6 +399,15 @@ class RunConfig:
                     f"{key} names mesh axis {axis!r}{hint}, but the mesh {self.mesh} has axes "
                     f"{axes}; add it to mesh or name one of those"
                 )
+        used = {p.zero_axis, p.tp, p.sp}  # the data axis splits the batch even at ZeRO-0
+        idle = [a for a, n in self.mesh.items() if n != 1 and a not in used]
+        if idle:
+            raise ConfigError(
+                f"mesh axis {idle[0]!r} (size {self.mesh[idle[0]]}) of {self.mesh} is used by no "
+                f"preset: its ranks would only repeat each other's work. Name it as "
+                f"parallel.tp (tensor parallelism) or parallel.sp (Ulysses), make it the "
+                f"data axis (parallel.zero_axis), or give it size 1"
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> RunConfig:

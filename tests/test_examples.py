@@ -120,6 +120,26 @@ def test_train_gpt_resumes_bit_identically(tmp_path):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
+def test_train_gpt_with_tensor_and_sequence_parallelism(tmp_path):
+    """``--tp 2 --sp``: Megatron rules over a tp axis, each rank its heads,
+    the loss from vocabulary-split logits; the same global batch as the
+    data-parallel run, so the same losses up to the order of the sums. A
+    mesh axis no preset uses is refused in one line."""
+    _, dp = _train(tmp_path / "dp", tmp_path / "dp.jsonl")
+    stdout, tp = _train(tmp_path / "tp", tmp_path / "tp.jsonl", "--tp", "2", "--sp")
+    assert "Mesh({'dp': 1, 'tp': 2})" in stdout and "with sequence parallelism" in stdout
+    for a, b in zip(tp, dp, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+    index = sx.ckpt.read_index(tmp_path / "tp" / "step-00000006")
+    assert index.leaves["params.blocks.0.attn.qkv.weight"].spec.axes == ("tp", "dp")
+    idle = launch(
+        "--nproc-per-node", "2", "examples/train_gpt.py", "--preset", "tiny", "--steps", "2",
+        "--mesh", "dp=1,pp=2",
+    )  # fmt: skip
+    assert idle.returncode == 2, idle.stdout + idle.stderr
+    assert "mesh axis 'pp' (size 2)" in idle.stderr and "is used by no preset" in idle.stderr
+
+
 def test_train_gpt_resumes_on_another_number_of_ranks(tmp_path):
     """A 2-rank checkpoint resumes on 1 rank: without an RNG policy the run
     stops with one line naming the flags; with ``--rng reseed`` the loss
