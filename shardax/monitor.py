@@ -98,8 +98,12 @@ class _Stdout(_Writer):
                 parts.append(f"{key[:-4]} {value:,.0f} MiB")
             elif key == "mfu":
                 parts.append(f"MFU {100 * value:.1f}%")
+            elif key == "loss":
+                parts.append(f"loss {value:.4f}")
+            elif key == "tflops":
+                parts.append(f"tflops {value:.3g}")
             elif isinstance(value, float):
-                parts.append(f"{key} {value:.5g}")
+                parts.append(f"{key} {value:.3g}")
             elif not isinstance(value, (list, dict)):
                 parts.append(f"{key} {value}")
         print("  ".join(parts), file=self.stream or sys.stdout, flush=True)

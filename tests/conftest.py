@@ -23,6 +23,9 @@ def _world_size(item: pytest.Item) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "world_size(n): the test runs on n gloo ranks")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line(
+        "markers", "slow: a heavy case, left out of the default run; pytest -m slow runs them"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import optree
+import pytest
 import torch
 
 import shardax as sx
@@ -36,6 +37,7 @@ def test_hello_sharding_on_two_ranks():
     assert "[rank 0]   all_to_all over ('dp'): dim 0 -> dim 1" in done.stdout
 
 
+@pytest.mark.slow  # the suite itself runs in tests/collectives/test_conformance.py
 def test_conformance_suite_on_four_ranks():
     done = launch("--nproc-per-node", "4", "-m", "shardax.collectives.conformance")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -120,6 +122,7 @@ def test_train_gpt_resumes_bit_identically(tmp_path):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
+@pytest.mark.slow  # the mechanisms: tests/shard/test_tensor_parallel.py (default run)
 def test_train_gpt_with_tensor_and_sequence_parallelism(tmp_path):
     """``--tp 2 --sp``: Megatron rules over a tp axis, each rank its heads,
     the loss from vocabulary-split logits; the same global batch as the
@@ -140,6 +143,7 @@ def test_train_gpt_with_tensor_and_sequence_parallelism(tmp_path):
     assert "mesh axis 'pp' (size 2)" in idle.stderr and "is used by no preset" in idle.stderr
 
 
+@pytest.mark.slow  # the mechanism: tests/ckpt/test_resume_any_mesh.py (default run)
 def test_train_gpt_resumes_on_another_number_of_ranks(tmp_path):
     """A 2-rank checkpoint resumes on 1 rank: without an RNG policy the run
     stops with one line naming the flags; with ``--rng reseed`` the loss

@@ -4,7 +4,10 @@ models, built from their config classes (random init, nothing downloaded):
 rotary positions, untied head) and a tiny ``GPT2LMHeadModel`` (``Conv1D``
 linears, packed ``c_attn``, tied head, learned positions) on tp=2 and
 dp=2 × tp=2 with ZeRO-1 and ZeRO-3, with Megatron sequence parallelism, and
-under Ulysses, match the single-process PyTorch run."""
+under Ulysses, match the single-process PyTorch run. tp=2 and dp=2 × tp=2
+ZeRO-3 (and Ulysses on sp=2) run by default; the other cases, each a
+neighbour of one that does (and all of them on the example GPT), with
+``pytest -m slow``."""
 
 from __future__ import annotations
 
@@ -19,6 +22,14 @@ from _parity import MEGATRON_CASES, MEGATRON_IDS, adamw_steps
 import shardax as sx
 
 VOCAB, SEQ, BATCH, STEPS = 32, 8, 4, 5
+# Every case on the example GPT runs by default (tests/shard/test_tensor_parallel.py);
+# on these two larger models tp2 and dp2xtp2-zero3 run by default, the rest are slow.
+HF_CASES = [
+    pytest.param(
+        *case, id=name, marks=[] if name in ("tp2", "dp2xtp2-zero3") else [pytest.mark.slow]
+    )
+    for case, name in zip(MEGATRON_CASES, MEGATRON_IDS, strict=True)
+]
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-4, 0.1  # eps: see test_tensor_parallel.py
 
 
@@ -150,7 +161,7 @@ def train_megatron(
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize(("shape", "stage", "sp"), MEGATRON_CASES, ids=MEGATRON_IDS)
+@pytest.mark.parametrize(("shape", "stage", "sp"), HF_CASES)
 def test_megatron_matches_pytorch(family, shape, stage, sp):
     ref_losses, ref_params = reference(family)
     world = 2 if "dp" not in shape else 4
@@ -184,7 +195,12 @@ def train_ulysses(family: str, shape: dict[str, int], stage: int) -> tuple[list[
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize(
-    ("shape", "stage"), [({"sp": 2}, 0), ({"dp": 2, "sp": 2}, 1)], ids=["sp2", "dp2xsp2-zero1"]
+    ("shape", "stage"),
+    [
+        pytest.param({"sp": 2}, 0, id="sp2"),
+        # dp × sp with ZeRO: the example GPT's dp2xsp2-zero3 runs by default
+        pytest.param({"dp": 2, "sp": 2}, 1, id="dp2xsp2-zero1", marks=pytest.mark.slow),
+    ],
 )
 def test_ulysses_matches_pytorch(family, shape, stage):
     """Ulysses: Llama's attention run by shardax.ulysses_attention

@@ -46,9 +46,13 @@ def _pairs(mesh_shape: dict[str, int], shape: tuple[int, ...], blocked: bool = F
 )
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_every_layout_pair_matches_dense(world_size, mesh_shape, shape):
-    results = run_ranks(_pairs, mesh_shape, shape, world_size=world_size)
-    mesh = sx.AbstractMesh(mesh_shape)
-    layouts = all_layouts(mesh, len(shape))
+    _check_pairs(world_size, mesh_shape, shape, blocked=False)
+
+
+def _check_pairs(world_size: int, mesh_shape: dict, shape: tuple[int, ...], blocked: bool) -> None:
+    """Every pair's result and gradient, assembled from the ranks, equal the dense ones."""
+    results = run_ranks(_pairs, mesh_shape, shape, blocked, world_size=world_size)
+    layouts = _layouts_for(sx.AbstractMesh(mesh_shape), shape, blocked)
     x_dense, g_dense = integer_tensor(shape, 1), integer_tensor(shape, 2)
     assert len(results[0]) == len(layouts) ** 2
     for (i, j), _ in results[0].items():
@@ -68,17 +72,7 @@ def test_blocked_layouts_to_and_from_every_layout_match_dense(world_size, mesh_s
     every plain layout and each other, forward and backward, exact; the
     shape stays (6, 4) throughout (blocks of 2 split over 4 ranks: uneven,
     some empty)."""
-    shape = (6, 4)
-    results = run_ranks(_pairs, mesh_shape, shape, True, world_size=world_size)
-    layouts = _layouts_for(sx.AbstractMesh(mesh_shape), shape, True)
-    x_dense, g_dense = integer_tensor(shape, 1), integer_tensor(shape, 2)
-    assert len(results[0]) == len(layouts) ** 2
-    for (i, j), _ in results[0].items():
-        src, dst = layouts[i], layouts[j]
-        y = assemble([r[(i, j)][0] for r in results], dst, shape)
-        g = assemble([r[(i, j)][1] for r in results], src.dual(), shape)
-        torch.testing.assert_close(y, x_dense, rtol=0, atol=0, msg=f"forward {src} -> {dst}")
-        torch.testing.assert_close(g, g_dense, rtol=0, atol=0, msg=f"backward {src} -> {dst}")
+    _check_pairs(world_size, mesh_shape, (6, 4), blocked=True)
 
 
 def _mesh_cases(a, b, c) -> list[tuple[Layout, Layout]]:
