@@ -29,6 +29,7 @@ from .errors import ConfigError as ConfigError
 from .errors import LaunchError as LaunchError
 from .errors import MeshError as MeshError
 from .errors import ShardingError as ShardingError
+from .errors import UnmatchedRulesWarning as UnmatchedRulesWarning
 from .mesh import AbstractMesh as AbstractMesh
 from .mesh import Mesh as Mesh
 from .mesh import init as init
@@ -83,6 +84,7 @@ __all__ = [
     "Rules",
     "ShardingError",
     "Sharded",
+    "UnmatchedRulesWarning",
     "apply",
     "blocks",
     "ckpt",

@@ -25,12 +25,19 @@ __all__ = [
     "MeshError",
     "ShardingError",
     "USER_ERRORS",
+    "UnmatchedRulesWarning",
     "debugging",
 ]
 
 
 class ShardingError(ValueError):
     """A spec, layout or rule that does not fit a tensor or a mesh."""
+
+
+class UnmatchedRulesWarning(UserWarning):
+    """Rules none of which matches any tensor they are applied to (written
+    for another model's names?): every tensor would be laid out as if there
+    were no rules. Strict rules make it a :class:`ShardingError`."""
 
 
 class MeshError(ValueError):

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import optree
 import torch
 
 from .._tree import flatten_with_paths
-from ..errors import ShardingError
+from ..errors import ShardingError, UnmatchedRulesWarning
 from ..mesh._mesh import AbstractMesh, Mesh
 from ._layout import Layout
 from ._rules import Rules, as_rules, fit_spec
@@ -67,6 +68,9 @@ def layouts_for(
     paths, leaves, treespec = flatten_with_paths(tree, is_leaf=is_leaf, none_is_leaf=True)
     rules = as_rules(specs)
     if rules is not None:
+        _check_some_rule_matches(
+            rules, [p for p, x in zip(paths, leaves, strict=True) if _shape(x)]
+        )
         if rules.strict:
             tensor_paths = [
                 p for p, x in zip(paths, leaves, strict=True) if _shape(x) not in (None, ())
@@ -97,6 +101,25 @@ def layouts_for(
             None if shape is None else _leaf_layout(target, path, shape, mesh, rules, role)
         )
     return paths, leaves, treespec, layouts
+
+
+def _check_some_rule_matches(rules: Rules, paths: list[str]) -> None:
+    """Rules of which none matches any tensor — the names of another model
+    (``rules.megatron`` with the example GPT's names on a Hugging Face
+    model) — would leave everything replicated: a warning naming them and a
+    few of the paths, an error when the rules are strict."""
+    if not rules.rules or not paths or any(r.matches(p) for r in rules.rules for p in paths):
+        return
+    shown = ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+    message = (
+        f"none of the {len(rules.rules)} rules matches any of the {len(paths)} tensors (paths "
+        f"such as {shown}; patterns such as {rules.rules[0].pattern!r}), so every tensor is "
+        "laid out as if there were no rules: are they written for another model? (for "
+        "Hugging Face models pass names=sx.rules.GPT2_NAMES or LLAMA_NAMES)"
+    )
+    if rules.strict:
+        raise ShardingError(message)
+    warnings.warn(message, UnmatchedRulesWarning, stacklevel=4)
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:

@@ -102,6 +102,17 @@ def test_a_list_of_rules_is_rules_wherever_rules_are_taken():
     assert specs({"a": meta(4), "b": meta(4)}, {"a": P("dp"), "b": P()})["a"] == P("dp")
 
 
+def test_rules_that_match_no_tensor_warn_or_fail_when_strict():
+    foreign = sx.rules.megatron("tp", names=sx.rules.LLAMA_NAMES)  # on a tree of other names
+    with pytest.warns(
+        sx.UnmatchedRulesWarning, match=r"none of the \d+ rules matches any of the 5"
+    ):
+        specs(PARAMS, foreign)
+    with pytest.raises(ShardingError, match="are they written for another model"):
+        specs(PARAMS, Rules(foreign, strict=True))
+    specs(PARAMS, sx.rules.zero(3))  # no path rules at all: nothing to match, no warning
+
+
 class State(NamedTuple):
     mu: dict
     count: torch.Tensor
