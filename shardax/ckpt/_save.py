@@ -182,8 +182,8 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
         if isinstance(x, Sharded):
             boxes = _sharded_boxes(path, x, world)
             layout_mesh, spec, local = x.mesh.shape, x.spec, x.local
-            if x.spec.blocked:  # this rank's piece is several boxes
-                views = {o: v for o, _, v in x.layout.box_views(x.local, x.shape, rank)}
+            # this rank's piece: one box, or one per block of a blocked dim
+            views = {o: v for o, _, v in x.layout.box_views(x.local, x.shape, rank)}
             mesh = mesh or layout_mesh
             if isinstance(x.mesh, Mesh) and x.mesh.timeout is not None:
                 timeout = x.mesh.timeout
@@ -201,8 +201,8 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             name = box_name(path, offsets)
             stored.append(Box(offsets, sizes, _file(owner, world), name))
             if owner == rank:
-                t = views[offsets].contiguous() if views else local.detach()
-                items.append((name, t.detach().to("cpu", copy=True) if copy else t.detach()))
+                t = (views[offsets] if views else local).detach().contiguous()
+                items.append((name, t.to("cpu", copy=True) if copy else t))
         try:
             dtype = dtype_name(local.dtype)
         except CheckpointError as e:
