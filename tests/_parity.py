@@ -44,7 +44,6 @@ def adamw_steps(
         with sx.collectives.traffic() as seen:
             loss, grads = sx.value_and_grad(loss_fn)(params, x[rows], y[rows])
         ops |= set(seen.summary())
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = sx.optim.apply_updates(params, updates)
+        params, opt_state = sx.optim.step(opt, grads, opt_state, params)  # buffers: grad None
         losses.append(loss.item())
     return losses, params, sorted(ops)

@@ -444,6 +444,12 @@ def step(
     same results (to about an ulp). The state passed in is consumed, as by
     ``update``: keep the returned one.
 
+    A leaf whose gradient is None — a buffer, a parameter no gradient
+    reached (:func:`shardax.value_and_grad` gives None there, as PyTorch
+    leaves ``p.grad`` None) — is left as it is, with its optimizer state:
+    no weight decay, no momentum, as ``torch.optim`` skips it. (A shared
+    step count still advances.)
+
     Args:
         optimizer: a :class:`GradientTransformation`.
         grads: the gradients (a tree like ``params``).
@@ -460,6 +466,9 @@ def step(
     >>> params["w"]
     tensor([-0.1000,  0.1000,  0.0000])
     """
+    frozen = _gradless(grads, params)
+    if frozen:
+        return _step_keeping(optimizer, grads, state, params, donate, frozen)
     fused = getattr(optimizer, "step", None)
     if fused is not None:
         done = fused(grads, state, params, donate)
@@ -467,6 +476,88 @@ def step(
             return done
     updates, state = optimizer.update(grads, state, params)
     return apply_updates(params, updates, donate=donate), state
+
+
+def _gradless(grads: Any, params: Any) -> list[int]:
+    """The indices of params' leaves whose gradient is None (none where the
+    trees do not line up: ``update`` names the difference)."""
+    if grads is None or params is None:
+        return []
+    g_paths, g_leaves, _ = flatten_with_paths(grads, is_leaf=is_sharded, none_is_leaf=True)
+    p_paths = flatten_with_paths(params, is_leaf=is_sharded)[0]
+    if g_paths != p_paths:
+        return []
+    return [i for i, g in enumerate(g_leaves) if g is None]
+
+
+def _step_keeping(
+    optimizer: GradientTransformation,
+    grads: Any,
+    state: Any,
+    params: Any,
+    donate: bool,
+    frozen: list[int],
+) -> tuple[Any, Any]:
+    """:func:`step` where the leaves ``frozen`` have no gradient: the step
+    runs on the trees without them (params, grads and every params-shaped
+    part of the state), and they are put back as they were."""
+    p_paths, p_leaves, p_spec = flatten_with_paths(params, is_leaf=is_sharded)
+    gone = set(frozen)
+
+    def cut(leaves: list[Any]) -> list[Any]:
+        return [None if i in gone else x for i, x in enumerate(leaves)]
+
+    kept: list[list[Any]] = []
+
+    def cut_state(leaves: list[Any]) -> list[Any]:
+        kept.append(leaves)
+        return cut(leaves)
+
+    def put_back(leaves: list[Any], old: list[Any]) -> list[Any]:
+        return [old[i] if i in gone else x for i, x in enumerate(leaves)]
+
+    g_leaves = flatten_with_paths(grads, is_leaf=is_sharded, none_is_leaf=True)[1]
+    new_params, new_state = step(
+        optimizer,
+        optree.tree_unflatten(p_spec, cut(g_leaves)),
+        _map_param_shaped(state, p_paths, cut_state, none_is_leaf=False),
+        optree.tree_unflatten(p_spec, cut(p_leaves)),
+        donate=donate,
+    )
+    olds = iter(kept)
+    new_leaves = flatten_with_paths(new_params, is_leaf=is_sharded, none_is_leaf=True)[1]
+    return (
+        optree.tree_unflatten(p_spec, put_back(new_leaves, p_leaves)),
+        _map_param_shaped(
+            new_state, p_paths, lambda leaves: put_back(leaves, next(olds)), none_is_leaf=True
+        ),
+    )
+
+
+def _map_param_shaped(
+    state: Any, p_paths: list[str], fn: Callable[[list[Any]], list[Any]], none_is_leaf: bool
+) -> Any:
+    """``state`` with ``fn`` applied to the leaves of every subtree laid out
+    like the params (the moments, master weights), in order; with
+    ``none_is_leaf``, a None in such a subtree counts as a leaf."""
+
+    def visit(node: Any) -> Any:
+        if is_sharded(node) or isinstance(node, torch.Tensor) or node is None:
+            return node
+        paths, leaves, spec = flatten_with_paths(
+            node, is_leaf=is_sharded, none_is_leaf=none_is_leaf
+        )
+        if paths == p_paths:
+            return optree.tree_unflatten(spec, fn(leaves))
+        if isinstance(node, dict):
+            return type(node)((k, visit(v)) for k, v in node.items())
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(visit(v) for v in node))
+        if isinstance(node, tuple | list):
+            return type(node)(visit(v) for v in node)
+        return node
+
+    return visit(state)
 
 
 def validate(

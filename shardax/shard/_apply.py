@@ -87,6 +87,12 @@ def _plan(model: nn.Module, params: dict[str, Any], units: Units) -> list[_Unit]
                 canonical.setdefault(id(t), full)
                 owners.setdefault(id(t), []).append((parents[path], module, name, kind == "param"))
     known = {canonical[k]: k for k in canonical}
+    params = dict(params)
+    for path in sorted(set(known) - set(params)):  # a buffer left out: the model's own
+        _, module, name, is_param = owners[known[path]][0]
+        own = module._buffers.get(name) if not is_param else None
+        if own is not None and own.device.type != "meta":
+            params[path] = own
     missing = sorted(set(known) - set(params))
     extra = sorted(set(params) - set(known))
     if missing or extra:
@@ -159,7 +165,9 @@ class _Run:
         it = iter(values)
         for _path, x, where in unit.slots:
             value = next(it) if isinstance(x, Sharded) else x
-            if self.tape is not None:
+            if not any(is_param for _, _, is_param in where):
+                value = value.detach()  # a buffer: never trained, its gradient None
+            elif self.tape is not None:
                 value = self.tape.lift(x, value)
             for module, name, is_param in where:
                 table = module._parameters if is_param else module._buffers
@@ -212,9 +220,15 @@ def apply(
     released when it ends, and gathered again for backward. ``model`` may
     live on the ``meta`` device; it is never modified.
 
+    Buffers need no handling: given in ``params`` (as ``params_of`` and
+    ``init_params`` give them) they are laid out by the rules like any
+    tensor, and under :func:`shardax.value_and_grad` they get no gradient
+    (None), so :func:`shardax.optim.step` leaves them as they are; left out
+    of ``params``, the model's own are used (unless they are on ``meta``).
+
     Args:
         model: the module (its own parameters are ignored).
-        params: the parameters and buffers, by key path.
+        params: the parameters (and buffers), by key path.
         *args: positional arguments of ``model``'s forward.
         units: which modules gather together: a regex over module paths, a
             predicate ``(path, module) -> bool``, or None for the root plus

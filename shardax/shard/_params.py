@@ -4,6 +4,7 @@ shards, never whole on one rank)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,7 +12,17 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..mesh._mesh import Mesh
-from ._api import _shard_one, as_rules, layouts_for
+from ._api import _shard_one, as_rules, gather, layouts_for
+from ._init import (
+    Draw,
+    Init,
+    Slot,
+    hugging_face_steps,
+    is_hugging_face,
+    named_tensors,
+    run_on,
+    written_slots,
+)
 from ._sharded import Sharded
 
 __all__ = ["init_params", "params_of"]
@@ -34,37 +45,42 @@ def params_of(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Tens
     return out
 
 
-def _own(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
-    return [
-        (table, name, t)
-        for table in (module._parameters, module._buffers)
-        for name, t in table.items()
-        if t is not None
-    ]
-
-
 def init_params(
     model: nn.Module,
     mesh: Mesh,
     specs: Any,
     *,
-    init_fn: Any = None,
+    init_fn: Callable[[nn.Module], Any] | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, Sharded]:
-    """Initialise the parameters of ``model`` (built on the ``meta`` device)
-    directly into their shards: the values equal
+    """Initialise the parameters and buffers of ``model`` (built on the
+    ``meta`` device) directly into their shards: the values equal
     ``shard(params_of(model_built_densely), mesh, specs)`` under the same
     ``torch.manual_seed``, but no rank ever holds more than its shards plus
-    one module's own parameters.
+    the tensors one initialiser writes.
 
-    Each module's ``reset_parameters()`` runs in module order on a dense
-    copy of just that module's own tensors, which repeats the random draws
-    of the dense constructor (for models that create submodules in the
-    order they register them, as ordinary PyTorch code does); a tied
-    parameter keeps the values of its first owner, as a tie made after
-    construction does. ``init_fn(module)``, if given, then runs on every
-    module in ``model.apply`` order (children first), as a custom
-    ``model.apply(init_fn)`` after construction would.
+    How the dense values are reproduced:
+
+    - A Hugging Face model (a ``transformers.PreTrainedModel``): its
+      construction is replayed — every random draw of the module
+      constructors (on a scratch tensor when a later step overwrites it) and
+      every ``_init_weights(module)`` call of its ``post_init``, in order,
+      parent-level ones included (GPT-2 rescales its residual projections
+      from their parent); then the ties. Buffers its ``_init_weights``
+      fills (rotary frequencies) get their values too.
+    - Any other model: each module's ``reset_parameters()`` runs in module
+      order, which repeats the random draws of the dense constructor (for
+      models that create submodules in the order they register them, as
+      ordinary PyTorch code does).
+    - Then ``init_fn(module)``, if given, runs on every module in
+      ``model.apply`` order (children first), as a custom
+      ``model.apply(init_fn)`` after construction would.
+
+    Each initialiser runs on dense copies of exactly the tensors it writes
+    (found by a dry run on ``meta``, which draws nothing) — its module's own,
+    or a child's where a parent initialises it. A tied parameter keeps the
+    values of its first owner, as a tie made after construction does. A
+    tensor still on ``meta`` after all this is an error naming it.
 
     Args:
         model: a module, usually built under ``torch.device("meta")``; it is
@@ -72,7 +88,7 @@ def init_params(
         mesh: the live mesh.
         specs: rules (e.g. ``rules.zero(3)``) or specs, as for :func:`shardax.shard`.
         init_fn: an optional per-module initialiser run after construction.
-        device: where the shards live.
+        device: where the shards live (and the draws are made).
 
     >>> import torch, shardax as sx
     >>> with torch.device("meta"):
@@ -82,98 +98,160 @@ def init_params(
     >>> _ = torch.manual_seed(0)
     >>> torch.equal(sx.gather(params)["weight"], torch.nn.Linear(4, 2).weight.detach())
     True
+
+    ``init_fn`` gives values where no ``reset_parameters`` does:
+
+    >>> class Gain(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.gain = torch.nn.Parameter(torch.empty(3))
+    >>> with torch.device("meta"):
+    ...     model = Gain()
+    >>> def ones(m):
+    ...     if isinstance(m, Gain):
+    ...         torch.nn.init.ones_(m.gain)
+    >>> sx.gather(sx.init_params(model, sx.Mesh({"dp": 1}), sx.rules.zero(3), init_fn=ones))
+    {'gain': tensor([1., 1., 1.])}
     """
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"init_params needs a live Mesh; got {mesh!r}")
-    meta = params_of(model)
-    paths, _, _, layouts = layouts_for(meta, mesh, specs)
-    layout_of = dict(zip(paths, layouts, strict=True))
-    rules = as_rules(specs)
-    canonical = {id(t): name for name, t in _named_tensors(model)}
-    out: dict[str, Sharded] = {}
-
-    def keep(path: str, value: torch.Tensor) -> None:
-        layout = layout_of[path]
-        x = _shard_one(value, mesh, layout, None)
-        placement = rules.placement(path, x.shape, mesh) if rules is not None else None
-        out[path] = Sharded(x.local, x.layout, x.shape, placement=placement)
-
+    if init_fn is not None and not callable(init_fn):
+        raise ShardingError(f"init_fn is a function of one module; got {init_fn!r}")
+    state = _Initialising(model, mesh, specs, device)
     with torch.no_grad():
-        for mpath, module in model.named_modules():
-            own = _own(module)
-            if not own:
-                continue
-            dense = {name: _materialize(t, device) for _, name, t in own}
-            _run_on(module, dense, lambda m: m.reset_parameters(), "reset_parameters")
-            for _, name, t in own:
-                path = canonical[id(t)]
-                if path in out:
-                    continue  # tied: its first owner's values stand
-                if t.device.type == "meta" and not _has(module, "reset_parameters"):
-                    raise ShardingError(
-                        f"init_params: {path!r} is on the meta device and its module "
-                        f"{type(module).__name__} ({mpath or '<root>'}) has no reset_parameters() "
-                        "to give it values; pass init_fn=... that sets it, or create it on a real "
-                        "device"
-                    )
-                keep(path, dense[name])
+        if is_hugging_face(model):
+            state.replay_hugging_face()
+        else:
+            for _, module in model.named_modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    state.initialise(module, _reset)
         if init_fn is not None:
             for module in _post_order(model):
-                own = _own(module)
-                names = {name: canonical[id(t)] for _, name, t in own}
-                if not own:
-                    _run_on(module, {}, init_fn, None)
-                    continue
-                dense = {
-                    name: _gathered(out[path]).to(device).clone() for name, path in names.items()
-                }
-                _run_on(module, dense, init_fn, None)
-                for name, path in names.items():
-                    keep(path, dense[name])
-    return dict(sorted(out.items()))
+                state.initialise(module, init_fn)
+        return state.finish()
 
 
-def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(model.named_parameters()) + list(model.named_buffers())
+class _Initialising:
+    """One :func:`init_params` call: the shards kept so far, and how to run
+    an initialiser on dense copies of the tensors it writes."""
 
+    def __init__(self, model: nn.Module, mesh: Mesh, specs: Any, device: Any) -> None:
+        self.model, self.mesh, self.device = model, mesh, device
+        paths, _, _, layouts = layouts_for(params_of(model), mesh, specs)
+        self.layout_of = dict(zip(paths, layouts, strict=True))
+        self.rules = as_rules(specs)
+        self.path_of: dict[Slot, str] = {}  # a tensor's first slot -> its path
+        self.tensor_of: dict[str, torch.Tensor] = {}
+        first: dict[int, str] = {}
+        for mpath, module in model.named_modules(remove_duplicate=False):
+            for table in ("_parameters", "_buffers"):
+                for name, t in getattr(module, table).items():
+                    full = f"{mpath}.{name}" if mpath else name
+                    if t is not None and first.setdefault(id(t), full) == full:
+                        self.path_of.setdefault((module, table, name), full)
+                        self.tensor_of[full] = t
+        self.out: dict[str, Sharded] = {}
 
-def _has(module: nn.Module, method: str) -> bool:
-    return callable(getattr(module, method, None))
-
-
-def _materialize(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    if t.device.type == "meta":
-        return torch.empty(t.shape, dtype=t.dtype, device=device)
-    return t.detach().to(device).clone()
-
-
-def _gathered(x: Sharded) -> torch.Tensor:
-    from ._api import gather
-
-    return gather(x)
-
-
-def _run_on(module: nn.Module, dense: dict[str, torch.Tensor], fn: Any, method: str | None) -> None:
-    """Run ``fn(module)`` with the module's own tensors swapped for ``dense``
-    (as parameters where they were parameters), then swap them back."""
-    if method is not None and not _has(module, method):
-        return
-    saved = []
-    for table, name, t in _own(module):
-        saved.append((table, name, t))
-        value = dense[name]
-        table[name] = (
-            nn.Parameter(value, requires_grad=t.requires_grad)
-            if isinstance(t, nn.Parameter)
-            else value
+    def keep(self, path: str, value: torch.Tensor) -> None:
+        x = _shard_one(value, self.mesh, self.layout_of[path], None)
+        placement = (
+            self.rules.placement(path, x.shape, self.mesh) if self.rules is not None else None
         )
-    try:
-        fn(module)
-        for table, name, _ in saved:
-            dense[name] = table[name].detach()
-    finally:
-        for table, name, t in saved:
-            table[name] = t
+        self.out[path] = Sharded(x.local, x.layout, x.shape, placement=placement)
+
+    def dense(self, slot: Slot) -> torch.Tensor:
+        """What an initialiser writing ``slot`` starts from: the value kept
+        so far (gathered), else the model's own (empty where meta); a
+        scratch tensor for a tied tensor's later slots."""
+        t = getattr(slot[0], slot[1])[slot[2]]
+        path = self.path_of.get(slot)
+        if path is not None and path in self.out:
+            return gather(self.out[path]).to(self.device).clone()
+        if path is None or t.device.type == "meta":
+            return torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        return t.detach().to(self.device).clone()
+
+    def initialise(
+        self, module: nn.Module, fn: Callable[[nn.Module], Any], slots: list[Slot] | None = None
+    ) -> None:
+        """Run ``fn(module)`` on dense copies of the tensors it writes (found
+        by a dry run unless given) and keep them."""
+        if slots is None:
+            slots = written_slots(module, fn)
+        dense = {slot: self.dense(slot) for slot in slots}
+        written = run_on(module, fn, dense)
+        for slot in slots:
+            if slot in written and slot in self.path_of:
+                self.keep(self.path_of[slot], dense[slot])
+
+    def replay_hugging_face(self) -> None:
+        """The dense construction's steps, in order: each draw into the
+        tensor it fills when no later ``_init_weights`` writes that tensor
+        (else on scratch), each ``_init_weights`` call on what it writes."""
+        built, steps = hugging_face_steps(self.model)
+        tensor_path = {id(t): path for path, t in named_tensors(built)}
+        module_path = {id(m): path for path, m in built.named_modules()}
+        planned: list[tuple[Any, Any]] = []
+        for step in steps:
+            if isinstance(step, Draw):
+                planned.append((step, tensor_path.get(id(step.target))))
+                continue
+            where, owner = module_path.get(id(step.module)), module_path.get(id(step.owner))
+            if where is None or owner is None:  # a module the constructor dropped
+                planned.append((step, None))
+                continue
+            module = self.model.get_submodule(where)
+            fn = _hf_init(self.model.get_submodule(owner))
+            planned.append((step, (module, fn, written_slots(module, fn))))
+        rewritten: list[set[str]] = []  # per step: the paths a later _init_weights writes
+        later: set[str] = set()
+        for step, what in reversed(planned):
+            rewritten.append(set(later))
+            if isinstance(step, Init) and what is not None:
+                later.update(self.path_of[s] for s in what[2] if s in self.path_of)
+        for (step, what), overwritten in zip(planned, reversed(rewritten), strict=True):
+            if isinstance(step, Draw):
+                if what is not None and what not in overwritten:
+                    t = self.tensor_of[what]
+                    value = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                    step.replay(value, self.device)
+                    self.keep(what, value)
+                else:
+                    step.replay(None, self.device)
+            elif what is None:
+                step.owner._init_weights(step.module.to_empty(device=self.device))
+            else:
+                self.initialise(*what)
+
+    def finish(self) -> dict[str, Sharded]:
+        """The shards, after keeping the model's own values of real tensors
+        nothing initialised; an error for meta ones."""
+        unset = []
+        for path, t in self.tensor_of.items():
+            if path in self.out:
+                continue
+            if t.device.type == "meta":
+                unset.append(path)
+            else:
+                self.keep(path, t.detach().to(self.device))
+        if unset:
+            more = f" and {len(unset) - 6} more" if len(unset) > 6 else ""
+            raise ShardingError(
+                f"init_params: {', '.join(map(repr, unset[:6]))}{more} "
+                f"{'is' if len(unset) == 1 else 'are'} on the meta device and nothing gave "
+                f"{'it' if len(unset) == 1 else 'them'} values (no reset_parameters() of a "
+                "module wrote it, nor init_fn); pass init_fn=... that sets it, or create it "
+                "on a real device"
+            )
+        return dict(sorted(self.out.items()))
+
+
+def _reset(module: nn.Module) -> None:
+    module.reset_parameters()
+
+
+def _hf_init(owner: nn.Module) -> Callable[[nn.Module], Any]:
+    return lambda module: owner._init_weights(module)
 
 
 def _post_order(model: nn.Module) -> list[nn.Module]:

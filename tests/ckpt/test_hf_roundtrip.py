@@ -101,15 +101,12 @@ def _train_save_consolidate(path: str) -> tuple[torch.Tensor, list[float]]:
     rules = sx.rules.zero(3) + sx.rules.megatron("tp", names=sx.rules.GPT2_NAMES)
     torch.manual_seed(0)
     model = gpt2()
-    state = sx.shard(sx.params_of(model), mesh, rules)
-    trainable = dict(model.named_parameters())
-    params = {k: v for k, v in state.items() if k in trainable}
-    buffers = {k: v for k, v in state.items() if k not in trainable}
+    params = sx.shard(sx.params_of(model), mesh, rules)
     opt = sx.optim.adamw(1e-2)
     opt_state = opt.init(params)
 
     def run(p: dict, x: torch.Tensor) -> torch.Tensor:
-        return sx.apply(model, {**p, **buffers}, x, use_cache=False).logits  # vocabulary piece
+        return sx.apply(model, p, x, use_cache=False).logits  # vocabulary piece
 
     def loss_fn(p: dict, x: torch.Tensor) -> torch.Tensor:
         return sx.vocab_parallel_cross_entropy(run(p, x)[:, :-1], x[:, 1:], "tp", mesh=mesh)
@@ -123,9 +120,7 @@ def _train_save_consolidate(path: str) -> tuple[torch.Tensor, list[float]]:
         loss, grads = grad_fn(params, x)
         params, opt_state = sx.optim.step(opt, grads, opt_state, params)
         losses.append(float(loss))
-    sx.ckpt.save(
-        path + "/c", {"params": {**params, **buffers}}, metadata=sx.ckpt.model_metadata(model)
-    )
+    sx.ckpt.save(path + "/c", {"params": params}, metadata=sx.ckpt.model_metadata(model))
     if mesh.rank == 0:
         sx.ckpt.consolidate(path + "/c", path + "/hf", only="params", hf=True)
     sx.collectives.barrier(mesh=mesh)

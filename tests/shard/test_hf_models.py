@@ -110,32 +110,24 @@ def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def check(losses: list[float], params: dict, ref_losses: list[float], ref_params: dict) -> None:
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    for k, v in ref_params.items():  # GPT-2's c_attn is sharded as [d, 3, d]
-        torch.testing.assert_close(params[k].reshape(v.shape), v, rtol=1e-5, atol=1e-5, msg=k)
+    for k, v in ref_params.items():
+        torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5, msg=k)
 
 
 def sharded(family: str, mesh: sx.Mesh, rules: sx.Rules) -> tuple[Any, dict]:
-    """The tiny model's trainable parameters sharded by ``rules`` (every rank
-    builds it: it is tiny), and ``run(params, x) -> logits``: the model under
-    ``apply`` with its buffers (Llama's rotary frequencies) and the whole
-    sequence's positions, which sequence parallelism and Ulysses need."""
+    """The tiny model's parameters and buffers sharded by ``rules`` (every
+    rank builds it: it is tiny), and ``run(params, x) -> logits``: the model
+    under ``apply`` with the whole sequence's positions, which sequence
+    parallelism and Ulysses need. Nothing is split off by hand: the buffers
+    (Llama's rotary frequencies) get no gradient and the optimizer leaves
+    them be; the params carry the rules' module rules."""
     model = MODELS[family][0]()
-    state = sx.shard(sx.params_of(model), mesh, rules)
-    trainable = dict(model.named_parameters())
-    params = {k: v for k, v in state.items() if k in trainable}
-    buffers = {k: v for k, v in state.items() if k not in trainable}
+    params = sx.shard(sx.params_of(model), mesh, rules)
 
     def run(p: dict, x: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(x.shape[1])
         extra = {"cache_position": positions} if family == "llama" else {}
-        out = sx.apply(
-            model,
-            {**p, **buffers},
-            x,
-            position_ids=positions.expand(x.shape[0], -1),
-            rules=rules,
-            **extra,
-        )
+        out = sx.apply(model, p, x, position_ids=positions.expand(x.shape[0], -1), **extra)
         return out.logits
 
     return run, params
