@@ -19,7 +19,7 @@ import torch
 from ..collectives._backend import Handle, start
 from ..collectives._ops import AllGather, AllReduce, Op, ReduceScatter, _offsets
 from ._layout import Layout
-from ._transfer import _compile, _job
+from ._transfer import View, _compile, _job
 
 __all__ = ["Gathered", "Reducer", "start_gather"]
 
@@ -40,6 +40,16 @@ def _direct(x: torch.Tensor, op: AllGather | ReduceScatter) -> bool:
 def _ops(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[Op, ...]:
     """The plan's ops, without those over one rank (they move nothing)."""
     return tuple(op for op in _compile(src, dst, shape, _job(src, dst)) if op.group.size > 1)
+
+
+def _unview(ops: tuple[Op, ...]) -> tuple[View | None, tuple[Op, ...], View | None]:
+    """A blocked dim's plan, ``View`` (into the expanded view), the
+    collectives, ``View`` (back): the views split off, so that one
+    all_gather or psum_scatter there fuses like any other (a view is a free
+    reshape of the same bytes)."""
+    pre = ops[0] if ops and isinstance(ops[0], View) else None
+    post = ops[-1] if len(ops) > 1 and isinstance(ops[-1], View) else None
+    return pre, ops[pre is not None : len(ops) - (post is not None)], post
 
 
 def _piece_shape(shape: Sequence[int], dim: int, length: int) -> tuple[int, ...]:
@@ -79,13 +89,18 @@ def start_gather(items: Sequence[tuple[Any, Layout]]) -> Gathered:
     singles: list[tuple[int, tuple[Op, ...]]] = []
     for i, (x, layout) in enumerate(items):
         ops = _ops(x.layout, layout, x.shape)
+        pre, core, post = _unview(ops)
         if not ops:
             out.tensors[i] = x.local.detach()
-        elif len(ops) == 1 and isinstance(ops[0], AllGather):
-            if _direct(x.local, ops[0]):
-                out._steps.append(_start_direct_gather(i, x.local.detach(), layout, x, ops[0], out))
+        elif len(core) == 1 and isinstance(core[0], AllGather):
+            local = x.local.detach()
+            if _direct(local if pre is None else local.reshape(pre.after), core[0]):
+                out._steps.append(_start_direct_gather(i, local, layout, x, core[0], out))
             else:
-                fused.setdefault((id(ops[0].group), x.dtype), []).append((i, ops[0]))
+                shape = (
+                    post.before if post is not None else layout.local_shape(x.shape, x.mesh.rank)
+                )
+                fused.setdefault((id(core[0].group), x.dtype), []).append((i, core[0], shape))
         else:
             singles.append((i, ops))
     for members in fused.values():
@@ -125,24 +140,25 @@ def _start_direct_gather(
 
 
 def _start_fused_gather(
-    items: Sequence[tuple[Any, Layout]], members: list[tuple[int, AllGather]], out: Gathered
+    items: Sequence[tuple[Any, Layout]],
+    members: list[tuple[int, AllGather, tuple[int, ...]]],
+    out: Gathered,
 ) -> Callable[[], None]:
+    """One all_gather for ``members``: ``(item, its gather, the gathered
+    local shape in the gather's view)``."""
     group = members[0][1].group
     n, me = group.size, group.index
     # numel of every member's piece of every tensor
-    shapes = []
-    numels = []  # [tensor][member]
-    for i, op in members:
-        x, layout = items[i]
-        full = layout.local_shape(x.shape, x.mesh.rank)
-        shapes.append(full)
-        numels.append([math.prod(_piece_shape(full, op.dim, s)) for s in op.sizes])
+    shapes = [shape for _, _, shape in members]
+    numels = [
+        [math.prod(_piece_shape(shape, op.dim, s)) for s in op.sizes] for _, op, shape in members
+    ]
     per_member = [sum(col[r] for col in numels) for r in range(n)]
     m = max(per_member)
     dtype = items[members[0][0]][0].dtype
     send = torch.empty(m, dtype=dtype)
     torch.cat(
-        [items[i][0].local.detach().reshape(-1) for i, _ in members], out=send[: per_member[me]]
+        [items[i][0].local.detach().reshape(-1) for i, _, _ in members], out=send[: per_member[me]]
     )
     recv = torch.empty(n * m, dtype=dtype)
     handle = start(group, "all_gather", lambda b: b.all_gather(recv, send, group), lambda: None)
@@ -160,7 +176,7 @@ def _start_fused_gather(
             offset += k
         for r in range(n):
             pos = 0
-            for (_, op), full, col in zip(members, fulls, numels, strict=True):
+            for (_, op, _), full, col in zip(members, fulls, numels, strict=True):
                 start_r = _offsets(op.sizes)[r]
                 size_r = op.sizes[r]
                 if size_r:
@@ -169,8 +185,9 @@ def _start_fused_gather(
                     )
                     full.narrow(op.dim, start_r, size_r).copy_(piece)
                 pos += col[r]
-        for (i, _), full in zip(members, fulls, strict=True):
-            out.tensors[i] = full
+        for (i, _, _), full in zip(members, fulls, strict=True):
+            x, layout = items[i]
+            out.tensors[i] = full.view(layout.local_shape(x.shape, x.mesh.rank))
 
     return finish
 
@@ -201,14 +218,19 @@ class Reducer:
         if not ops:
             sink(grad)
             return
-        op = ops[0]
-        if len(ops) > 1 or not (
+        pre, core, post = _unview(ops)
+        op = core[0] if core else ops[0]
+        if len(core) != 1 or not (
             isinstance(op, ReduceScatter) or (isinstance(op, AllReduce) and op.reduce == "sum")
         ):
             for o in ops:
                 grad = o.run(grad)
             sink(grad)
             return
+        if pre is not None:  # a blocked dim: reduce in its expanded view
+            grad = grad.reshape(pre.after)
+        if post is not None:
+            sink = _viewed(sink, post.after)
         if isinstance(op, ReduceScatter) and _direct(grad, op):
             self._fly(_direct_reduce_scatter(grad, op, sink))
             return
@@ -239,6 +261,10 @@ class Reducer:
         flying, self._flying = self._flying, []
         for done in flying:
             done()
+
+
+def _viewed(sink: Callable[[torch.Tensor], None], shape: tuple[int, ...]) -> Callable[..., None]:
+    return lambda g: sink(g.reshape(shape))
 
 
 def _all_reduce(bucket: list[tuple[torch.Tensor, Op, Any]]) -> Callable[[], None]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import shardax as sx
 from shardax.ckpt._save import distinct_boxes
@@ -119,3 +120,43 @@ def test_gpt2_packed_attention_is_blocked_not_reshaped():
     )
     layout = sx.Layout(mesh, spec)
     assert layout.local_shape((16, 48), 0) == (16, 24)  # its heads of q, of k and of v
+
+
+class Packed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(4, 12)  # [q | k | v]
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.out(q * k + v)
+
+
+def _blocked_gathers() -> tuple[int, int, torch.Tensor, dict]:
+    mesh = sx.Mesh({"dp": 2, "tp": 1})
+    rules = sx.Rule(r"qkv\..*", sx.P(sx.blocks(3, "tp"))) + sx.rules.zero(3)
+    torch.manual_seed(0)
+    model = Packed()
+    params = sx.shard(sx.params_of(model), mesh, rules)
+    x = torch.randn(2, 4)
+    with sx.collectives.traffic() as seen:
+        loss, grads = sx.value_and_grad(lambda p: sx.apply(model, p, x).square().sum())(params)
+    calls = {op: v["calls"] for op, v in seen.summary().items()}
+    return calls["all_gather over dp"], calls["psum_scatter over dp"], loss, sx.gather(grads)
+
+
+@pytest.mark.world_size(2)
+def test_blocked_parameters_gather_and_reduce_fused_with_the_others():
+    """A blocked dim moves in its expanded view, a free reshape: its gathers
+    and gradient reductions travel with the other parameters' (one
+    all_gather in forward, one again in backward, one psum_scatter) and
+    give the dense gradients."""
+    torch.manual_seed(0)
+    model = Packed()
+    x = torch.randn(2, 4)
+    model(x).square().sum().backward()
+    for gathers, scatters, _, grads in run_ranks(_blocked_gathers, world_size=2):
+        assert (gathers, scatters) == (2, 1)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)  # the mean of equal losses
