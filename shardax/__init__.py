@@ -30,6 +30,7 @@ from .errors import LaunchError as LaunchError
 from .errors import MeshError as MeshError
 from .errors import ShardingError as ShardingError
 from .errors import UnmatchedRulesWarning as UnmatchedRulesWarning
+from .errors import UnshardedWeightWarning as UnshardedWeightWarning
 from .mesh import AbstractMesh as AbstractMesh
 from .mesh import Mesh as Mesh
 from .mesh import init as init
@@ -85,6 +86,7 @@ __all__ = [
     "ShardingError",
     "Sharded",
     "UnmatchedRulesWarning",
+    "UnshardedWeightWarning",
     "apply",
     "blocks",
     "ckpt",

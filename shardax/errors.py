@@ -26,6 +26,7 @@ __all__ = [
     "ShardingError",
     "USER_ERRORS",
     "UnmatchedRulesWarning",
+    "UnshardedWeightWarning",
     "debugging",
 ]
 
@@ -38,6 +39,15 @@ class UnmatchedRulesWarning(UserWarning):
     """Rules none of which matches any tensor they are applied to (written
     for another model's names?): every tensor would be laid out as if there
     were no rules. Strict rules make it a :class:`ShardingError`."""
+
+
+class UnshardedWeightWarning(UserWarning):
+    """Tensor-parallel rules (``rules.megatron``) that leave weight matrices
+    whole over their axis — names that missed a role, or a model with
+    layers the names do not cover: each rank would hold and compute all of
+    them. The message names them; a rule that replicates a weight on
+    purpose (``Rule(path, P())``, placed before the preset's rules) silences
+    it. Strict rules make it a :class:`ShardingError`."""
 
 
 class MeshError(ValueError):

@@ -13,7 +13,9 @@ P()
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
+from typing import Literal
 
 import attrs
 
@@ -21,6 +23,7 @@ from .errors import ShardingError
 from .shard._modules import ModuleRule as ModuleRule
 from .shard._modules import Relayout as Relayout
 from .shard._placement import ShardOver as ShardOver
+from .shard._rules import Deferred
 from .shard._rules import Rule as Rule
 from .shard._rules import Rules as Rules
 from .shard._spec import P, blocks
@@ -105,10 +108,15 @@ class TransformerNames:
     ``.view``): under sequence parallelism and Ulysses the sequence is
     gathered at its output instead of at the head's input;
     ``transposed`` — the linears store ``[in, out]`` weights
-    (``transformers``' ``Conv1D``), not ``nn.Linear``'s ``[out, in]``.
+    (``transformers``' ``Conv1D``), not ``nn.Linear``'s ``[out, in]``;
+    ``replicated`` — modules whose parameters stay whole under tensor
+    parallelism on purpose (a learned position embedding): they get an
+    explicit ``P()`` rule, so :class:`shardax.UnshardedWeightWarning`,
+    which names the weight matrices ``rules.megatron`` leaves whole, does
+    not name them.
 
     >>> TransformerNames(column=r"layers\\.\\d+\\.fc1", row=r"layers\\.\\d+\\.fc2")
-    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None, attention=None, attention_sizes=(), column_sizes=(), packed=None, final=None, transposed=False)
+    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None, attention=None, attention_sizes=(), column_sizes=(), packed=None, final=None, transposed=False, replicated=None)
     """
 
     column: str = attrs.field(validator=_is_regex)
@@ -125,6 +133,7 @@ class TransformerNames:
     packed: str | None = attrs.field(default=None, validator=_is_regex)
     final: str | None = attrs.field(default=None, validator=_is_regex)
     transposed: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    replicated: str | None = attrs.field(default=None, validator=_is_regex)
 
     def __attrs_post_init__(self) -> None:
         if self.attention_sizes and self.attention is None:
@@ -132,6 +141,21 @@ class TransformerNames:
                 f"TransformerNames(attention_sizes={self.attention_sizes!r}) names attributes of "
                 "the attention modules; give attention=<regex of their paths> too"
             )
+
+    def fits(self, paths: Iterable[str]) -> bool:
+        """Whether a model with these tensor paths uses these names: a
+        parameter of some ``column``, some ``row`` and (when named) the
+        ``vocab`` module is among them — what ``names="auto"`` checks.
+
+        >>> GPT2_NAMES.fits(["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight",
+        ...                  "transformer.h.0.attn.c_proj.weight"])
+        True
+        >>> LLAMA_NAMES.fits(["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight"])
+        False
+        """
+        paths = list(paths)
+        roles = [r for r in (self.column, self.row, self.vocab) if r is not None]
+        return all(any(re.fullmatch(rf"({r})\.[^.]+", p) for p in paths) for r in roles)
 
 
 GPT_NAMES = TransformerNames(
@@ -143,8 +167,10 @@ GPT_NAMES = TransformerNames(
     attention_in=r"blocks\.\d+\.attn\.qkv",
     attention_out=r"blocks\.\d+\.attn\.proj",
     regions=r"blocks\.\d+\.(attn|mlp)",
+    replicated=r"wpe",
 )
-"""The module names of the example GPT (``examples/gpt.py``, GPT-2's)."""
+"""The module names of the example GPT (``examples/gpt.py``, GPT-2's); its
+position embedding stays whole."""
 
 LLAMA_NAMES = TransformerNames(
     column=r"model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)",
@@ -179,19 +205,60 @@ GPT2_NAMES = TransformerNames(
     packed=r"transformer\.h\.\d+\.attn\.c_attn",
     final=r"transformer\.ln_f",
     transposed=True,
+    replicated=r"transformer\.wpe",
 )
 """Hugging Face ``transformers``' ``GPT2LMHeadModel``: ``Conv1D`` linears
-(``[in, out]`` weights), the packed ``c_attn`` split block by block — its
-weight is sharded as ``[d, 3, d]`` (q, k, v), so gathered parameters and
-checkpoints hold that shape (``.reshape(d, 3 * d)`` gives the model's) —
-the head tied to ``wte``, and ``split_size`` (and the column linears'
-``nf``) divided while they run.
+(``[in, out]`` weights), the packed ``c_attn`` split block by block
+(``P(None, blocks(3, "tp"))``: each rank its heads of q, k and v, the
+weight keeping its ``[d, 3·d]`` shape), the head tied to ``wte``, ``split_size`` (and the column linears'
+``nf``) divided while they run, and the position embedding ``wpe`` whole.
 Pass ``use_cache=False`` when training, and with sequence parallelism or
 Ulysses the whole sequence's ``position_ids``."""
 
 
+_KNOWN_NAMES = {
+    "GPT_NAMES": (GPT_NAMES, "examples/gpt.py"),
+    "GPT2_NAMES": (GPT2_NAMES, "GPT2LMHeadModel"),
+    "LLAMA_NAMES": (LLAMA_NAMES, "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+}
+
+
+def _names_for(paths: tuple[str, ...]) -> TransformerNames:
+    """The known names that the tensor paths of a model fit (exactly one),
+    for ``names="auto"``."""
+    fit = [name for name, (names, _) in _KNOWN_NAMES.items() if names.fits(paths)]
+    if len(fit) == 1:
+        return _KNOWN_NAMES[fit[0]][0]
+    shown = ", ".join(repr(p) for p in paths[:4]) + (", ..." if len(paths) > 4 else "")
+    seen = f"{len(paths)} tensors (paths such as {shown})" if paths else "a tree with no tensors"
+    if fit:
+        raise ShardingError(
+            f"names='auto': the {seen} fit the names of {' and of '.join(fit)}; pass the right "
+            f"one explicitly (names=sx.rules.{fit[0]})"
+        )
+    known = "; ".join(
+        f"{name} ({models}; column modules such as {names.column!r})"
+        for name, (names, models) in _KNOWN_NAMES.items()
+    )
+    raise ShardingError(
+        f"names='auto' found no known module names in the {seen}; it knows {known}. Name this "
+        "model's modules explicitly: names=sx.rules.TransformerNames(column=..., row=..., "
+        "vocab=..., head=...), regexes over its module paths (the linears whose output features "
+        "split, those whose input features split, the token embedding, the LM head)"
+    )
+
+
+def _auto(preset: Callable[[TransformerNames], Rules], label: str) -> Rules:
+    """Rules that are ``preset(names)`` for the known names the paths of
+    the tree they lay out fit (a :class:`Deferred` entry)."""
+    return Rules(Deferred(lambda paths: preset(_names_for(paths)), label))
+
+
 def megatron(
-    tp: str = "tp", *, sequence_parallel: bool = False, names: TransformerNames = GPT_NAMES
+    tp: str = "tp",
+    *,
+    sequence_parallel: bool = False,
+    names: TransformerNames | Literal["auto"] = GPT_NAMES,
 ) -> Rules:
     """Megatron-LM's tensor parallelism (Shoeybi et al., 2019, "Megatron-LM:
     Training Multi-Billion Parameter Language Models Using Model
@@ -220,6 +287,18 @@ def megatron(
     the column and row weights' specs. Compose with ``rules.zero(stage,
     "dp")`` for dp × tp.
 
+    ``names="auto"`` picks the names by the parameter paths when the rules
+    meet them (``shard``, ``init_params``, ``explain``): :data:`GPT_NAMES`,
+    :data:`GPT2_NAMES` or :data:`LLAMA_NAMES` (also Mistral's and Qwen2's),
+    whichever :meth:`TransformerNames.fits` them — the same rules as passing
+    those names; none or two fitting is an error naming some of the paths.
+    The rules split every weight matrix over ``tp``: laying out a model
+    whose 2-D ``.weight`` they leave whole (names that missed a module)
+    warns with their paths (:class:`shardax.UnshardedWeightWarning`; an
+    error with ``strict``), except those in ``names.replicated`` or an
+    explicit rule of yours such as ``Rule(r"extra\\.weight", P()) +
+    megatron(...)``.
+
     ``sequence_parallel`` (Korthikanti et al., 2022, "Reducing Activation
     Recomputation in Large Transformer Models"): between the tensor-parallel
     regions — norms, residual adds, dropout — activations ``[B, T, d]`` are
@@ -240,9 +319,20 @@ def megatron(
     [P('tp', None), P(None, 'tp')]
     >>> rules.match("blocks.0.mlp.proj.bias").partial
     ('tp',)
+    >>> auto = sx.rules.megatron("tp", names="auto")
+    >>> paths = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+    ...          "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"]
+    >>> auto.resolve(paths).match("model.layers.0.self_attn.o_proj.weight").spec
+    P(None, 'tp')
     """
+    if isinstance(names, str) and names == "auto":
+        sp = ", sequence_parallel=True" if sequence_parallel else ""
+        return _auto(
+            lambda n: megatron(tp, sequence_parallel=sequence_parallel, names=n),
+            f"megatron({tp!r}{sp}, names='auto')",
+        )
     if not isinstance(names, TransformerNames):
-        raise ShardingError(f"names is a TransformerNames; got {names!r}")
+        raise ShardingError(f"names is a TransformerNames or 'auto'; got {names!r}")
     col, row = names.column, names.row
     seq = P(None, tp)  # [B, T, d] split on the sequence
     between = seq if sequence_parallel else P()  # activations outside the tp regions
@@ -253,7 +343,7 @@ def megatron(
     gather_at_regions = bool(gather) and names.regions is not None
     col_w, row_w = (P(None, tp), P(tp, None)) if names.transposed else (P(tp, None), P(None, tp))
     entries: list[Rule | ModuleRule] = []
-    if names.packed is not None:  # [q | k | v]: each block split, as [3, d] (or [in, 3, d])
+    if names.packed is not None:  # [q | k | v]: each block split over tp, the shape kept
         dim = 1 if names.transposed else 0
         entries += [
             Rule(rf"({names.packed})\.weight", P(*[None] * dim, blocks(3, tp))),
@@ -282,6 +372,8 @@ def megatron(
     if names.head is not None:
         entries.append(Rule(rf"({names.head})\.weight", P(tp, None)))
         entries.append(Rule(rf"({names.head})\.bias", P(tp)))
+    if names.replicated is not None:  # whole on purpose: no UnshardedWeightWarning
+        entries.append(Rule(rf"({names.replicated})\.[^.]+", P()))
     if gather and names.final is not None:
         entries.append(ModuleRule(names.final, output=gather[0]))
     elif gather and names.head is not None:
@@ -298,10 +390,10 @@ def megatron(
         entries.append(ModuleRule(col, forward=local_sizes(tp, *names.column_sizes)))
     if sequence_parallel:  # every activation is split: every draw differs per tp rank
         entries.append(ModuleRule("", rng=tp))
-    return Rules(*entries, divisible=True)
+    return Rules(*entries, divisible=True, tensor_parallel=tp)
 
 
-def ulysses(sp: str = "sp", *, names: TransformerNames = GPT_NAMES) -> Rules:
+def ulysses(sp: str = "sp", *, names: TransformerNames | Literal["auto"] = GPT_NAMES) -> Rules:
     """DeepSpeed-Ulysses sequence parallelism (Jacobs et al., 2023,
     "DeepSpeed Ulysses: System Optimizations for Enabling Training of
     Extreme Long Sequence Transformer Models") as rules over the axis ``sp``.
@@ -332,15 +424,20 @@ def ulysses(sp: str = "sp", *, names: TransformerNames = GPT_NAMES) -> Rules:
     (``names.packed``: each of q, k and v split over heads, with
     ``attention_sizes`` divided while attention runs, as for GPT-2). Every
     dropout draws differently per ``sp`` rank: each holds other positions
-    or other heads.
+    or other heads. ``names="auto"`` picks the names by the parameter paths,
+    as for :func:`megatron`.
 
     >>> import shardax as sx
     >>> rules = sx.rules.ulysses("sp")
     >>> len(rules.modules), rules.modules[2].output
     (5, Relayout(P(None, 'sp'), P(None, None, 'sp')))
+    >>> sx.rules.ulysses("sp", names="auto")
+    Rules(ulysses('sp', names='auto'))
     """
+    if isinstance(names, str) and names == "auto":
+        return _auto(lambda n: ulysses(sp, names=n), f"ulysses({sp!r}, names='auto')")
     if not isinstance(names, TransformerNames):
-        raise ShardingError(f"names is a TransformerNames; got {names!r}")
+        raise ShardingError(f"names is a TransformerNames or 'auto'; got {names!r}")
     relayouts = names.attention_in is not None and names.attention_out is not None
     if not relayouts and names.attention is None:
         raise ShardingError(

@@ -19,7 +19,7 @@ from .._tree import render_path
 from ..errors import CheckpointError, ShardingError
 from ..mesh._mesh import AbstractMesh, Mesh
 from ..shard._layout import Layout
-from ..shard._rules import Rules, fit_spec, is_rules
+from ..shard._rules import Rules, as_rules, fit_spec, is_rules
 from ..shard._sharded import Sharded
 from ..shard._spec import NamedSharding, PartitionSpec
 from ._format import (
@@ -172,6 +172,17 @@ class _Load:
 
 
 _ROLE_OF = {"opt_state": "opt_state", "grads": "grads"}
+
+
+def decided(rules: Any, keys: dict[str, tuple[Any, ...]], entries: dict[str, Any]) -> Rules:
+    """``rules`` (rules or a list of them) with their deferred entries
+    (``rules.megatron(names="auto")``) decided by the parameter paths of a
+    checkpoint's tensors (``entries``): each leaf's last key
+    (``params.<path>``, ``opt_state.0.mu.<path>``)."""
+    tensors = [k for p, k in keys.items() if isinstance(entries.get(p), TensorEntry)]
+    rules = as_rules(rules, paths=sorted({str(k[-1]) for k in tensors if k}))
+    assert rules is not None  # callers pass rules
+    return rules
 
 
 def spec_by_rules(
@@ -375,7 +386,7 @@ def load(
     try:
         reads: dict[str, Any] = {}  # saved path -> what to read it into
         if is_rules(target):
-            rules = target if isinstance(target, Rules) else Rules(target)
+            rules = decided(target, index.keys, index.leaves)
             if mesh is None:
                 raise CheckpointError("loading by rules needs load(..., mesh=)")
             for p, e in index.leaves.items():

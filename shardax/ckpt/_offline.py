@@ -44,7 +44,7 @@ from ._format import (
     row_blocks,
     write_index,
 )
-from ._load import fill, spec_by_rules
+from ._load import decided, fill, spec_by_rules
 from ._model import MODEL_KEY
 from ._save import (
     RNG_PREFIX,
@@ -194,6 +194,7 @@ def _target(
     leaves: dict[str, TensorEntry | ValueEntry] = {}
     owned: dict[int, list[tuple[str, str, Box]]] = {}
     world = mesh.world_size
+    rules = decided(rules, source.keys, source.entries)
     for path, e in source.entries.items():
         if isinstance(e, ValueEntry):
             leaves[path] = e

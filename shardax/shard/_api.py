@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import optree
 import torch
 
 from .._tree import flatten_with_paths
-from ..errors import ShardingError, UnmatchedRulesWarning
+from ..errors import ShardingError, UnmatchedRulesWarning, UnshardedWeightWarning
 from ..mesh._mesh import AbstractMesh, Mesh
 from ._layout import Layout
 from ._rules import Rules, as_rules, fit_spec
@@ -56,7 +58,9 @@ def layouts_for(
     ``specs`` is a :class:`Rule`/:class:`Rules`, one spec/layout for every
     leaf, or a pytree of specs shaped like ``tree`` (or a prefix of it; None
     means replicated). Leaves may be tensors (meta ones too) or ``Sharded``.
-    With rules, ``role`` picks which role's layout (see ``rules.zero``).
+    With rules, ``role`` picks which role's layout (see ``rules.zero``), and
+    the rules' deferred entries (``rules.megatron(names="auto")``) are
+    decided by the paths of the tree's tensors.
 
     >>> import torch, shardax as sx
     >>> tree = {"w": torch.empty(4, 2, device="meta"), "n": 3}
@@ -66,11 +70,11 @@ def layouts_for(
     """
     is_leaf = lambda x: isinstance(x, Sharded)  # noqa: E731
     paths, leaves, treespec = flatten_with_paths(tree, is_leaf=is_leaf, none_is_leaf=True)
-    rules = as_rules(specs)
+    shapes = {p: s for p, x in zip(paths, leaves, strict=True) if (s := _shape(x)) is not None}
+    rules = rules_for_tree(specs, paths, leaves)
     if rules is not None:
-        _check_some_rule_matches(
-            rules, [p for p, x in zip(paths, leaves, strict=True) if _shape(x)]
-        )
+        if _check_some_rule_matches(rules, [p for p, s in shapes.items() if s]):
+            _check_weights_split(rules, shapes)
         if rules.strict:
             tensor_paths = [
                 p for p, x in zip(paths, leaves, strict=True) if _shape(x) not in (None, ())
@@ -103,23 +107,54 @@ def layouts_for(
     return paths, leaves, treespec, layouts
 
 
-def _check_some_rule_matches(rules: Rules, paths: list[str]) -> None:
+def rules_for_tree(specs: Any, paths: Sequence[str], leaves: Sequence[Any]) -> Rules | None:
+    """``specs`` as :class:`Rules` (None when they are specs) decided by
+    the paths of the tree's tensors (``rules.megatron(names="auto")``): the
+    same object for the same tree, so every leaf gets the same rules."""
+    return as_rules(
+        specs, paths=[p for p, x in zip(paths, leaves, strict=True) if _shape(x) is not None]
+    )
+
+
+def _check_some_rule_matches(rules: Rules, paths: list[str]) -> bool:
     """Rules of which none matches any tensor — the names of another model
     (``rules.megatron`` with the example GPT's names on a Hugging Face
     model) — would leave everything replicated: a warning naming them and a
-    few of the paths, an error when the rules are strict."""
+    few of the paths, an error when the rules are strict. False when so."""
     if not rules.rules or not paths or any(r.matches(p) for r in rules.rules for p in paths):
-        return
+        return True
     shown = ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
     message = (
         f"none of the {len(rules.rules)} rules matches any of the {len(paths)} tensors (paths "
         f"such as {shown}; patterns such as {rules.rules[0].pattern!r}), so every tensor is "
         "laid out as if there were no rules: are they written for another model? (for "
-        "Hugging Face models pass names=sx.rules.GPT2_NAMES or LLAMA_NAMES)"
+        "Hugging Face models pass names='auto', or names=sx.rules.GPT2_NAMES or LLAMA_NAMES)"
     )
     if rules.strict:
         raise ShardingError(message)
     warnings.warn(message, UnmatchedRulesWarning, stacklevel=4)
+    return False
+
+
+def _check_weights_split(rules: Rules, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Tensor-parallel rules (``rules.tensor_parallel``) that leave weight
+    matrices whole over their axes — names that missed a module: a warning
+    naming them, an error when the rules are strict."""
+    whole = rules.unsplit_weights(shapes)
+    if not whole:
+        return
+    shown = ", ".join(f"{p!r} {tuple(shapes[p])}" for p in whole[:8])
+    shown += f", ... ({len(whole)} in all)" if len(whole) > 8 else ""
+    axes = " × ".join(repr(a) for a in rules.tensor_parallel)
+    message = (
+        f"the rules split weight matrices over {axes} but leave {len(whole)} whole there, on "
+        f"every rank: {shown}; add them to the names' roles (names=sx.rules.TransformerNames("
+        "column=..., row=..., vocab=..., head=...)), or, if they are meant to be whole, say so "
+        "with a rule placed first: Rule(" + repr(re.escape(whole[0])) + ", P()) + rules"
+    )
+    if rules.strict:
+        raise ShardingError(message)
+    warnings.warn(message, UnshardedWeightWarning, stacklevel=4)
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:
@@ -158,7 +193,7 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src: int | None = None) -> Any:
             f"shard needs a live Mesh; got {mesh!r} (explain() plans on AbstractMesh)"
         )
     paths, leaves, treespec, layouts = layouts_for(tree, mesh, specs)
-    rules = as_rules(specs)
+    rules = rules_for_tree(specs, paths, leaves)
     out = []
     for path, leaf, layout in zip(paths, leaves, layouts, strict=True):
         if layout is None:
@@ -234,7 +269,7 @@ def reshard(tree: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
             f"the tree's Sharded leaves live on several meshes {sorted(map(repr, meshes))}; pass mesh="
         )
     paths, leaves, treespec, layouts = layouts_for(tree, target_mesh, specs)
-    rules = as_rules(specs)
+    rules = rules_for_tree(specs, paths, leaves)
     out = []
     for path, x, layout in zip(paths, leaves, layouts, strict=True):
         if not isinstance(x, Sharded) or layout is None:

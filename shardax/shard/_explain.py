@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..mesh._mesh import AbstractMesh
-from ._api import as_rules, layouts_for
+from ._api import layouts_for, rules_for_tree
 from ._layout import Layout
 from ._sharded import Sharded
 from ._spec import piece_sizes
@@ -176,7 +176,7 @@ def explain(
         paths, leaves, _, layouts = layouts_for(tree, mesh, _rebuild_like(tree, specs_tree))
     else:
         paths, leaves, _, layouts = layouts_for(tree, mesh, specs)
-    rules = as_rules(specs)
+    rules = rules_for_tree(specs, paths, leaves)
     roles: dict[str, Any] = {}
     rows = []
     for path, leaf, layout in zip(paths, leaves, layouts, strict=True):

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..mesh._mesh import Mesh
-from ._api import _shard_one, as_rules, gather, layouts_for
+from ._api import _shard_one, gather, layouts_for, rules_for_tree
 from ._init import (
     Draw,
     Init,
@@ -137,9 +137,9 @@ class _Initialising:
 
     def __init__(self, model: nn.Module, mesh: Mesh, specs: Any, device: Any) -> None:
         self.model, self.mesh, self.device = model, mesh, device
-        paths, _, _, layouts = layouts_for(params_of(model), mesh, specs)
+        paths, leaves, _, layouts = layouts_for(params_of(model), mesh, specs)
         self.layout_of = dict(zip(paths, layouts, strict=True))
-        self.rules = as_rules(specs)
+        self.rules = rules_for_tree(specs, paths, leaves)
         self.path_of: dict[Slot, str] = {}  # a tensor's first slot -> its path
         self.tensor_of: dict[str, torch.Tensor] = {}
         first: dict[int, str] = {}

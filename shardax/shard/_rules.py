@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -20,7 +20,7 @@ from ._modules import ModuleRule
 from ._placement import ROLES, Placement, ShardOver
 from ._spec import NamedSharding, P, PartitionSpec, as_spec
 
-__all__ = ["Rule", "Rules", "fit_spec"]
+__all__ = ["Deferred", "Rule", "Rules", "fit_spec"]
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -90,6 +90,59 @@ class Rule:
         return f"Rule({self.pattern!r}, {self.spec!r}{tail})"
 
 
+@attrs.frozen(repr=False)
+class Deferred:
+    """An entry of :class:`Rules` that the tree it lays out decides:
+    ``decide(paths)`` — given the key paths of all the tree's tensors —
+    returns the rules it stands for, which take its place (first match
+    wins, as if they had been written there). ``rules.megatron(names="auto")``
+    is one: rules are written before any model is seen, and which module
+    names a model uses shows only in its paths. ``label`` is its ``repr``
+    (the call that made it), and what makes two equal.
+
+    :func:`shardax.shard`, :func:`shardax.init_params`,
+    :func:`shardax.explain`, :func:`shardax.reshard`, ``apply(rules=...)``
+    and the checkpoint loaders decide it with the paths of the tree (model,
+    checkpoint) they are given (:meth:`Rules.resolve`). A decision is kept
+    per set of paths, so the same tree always gets the very same rules (and
+    module rules) however often it is laid out.
+
+    >>> pick = Deferred(lambda paths: Rules(Rule(paths[0], P("dp"))), "first_path('dp')")
+    >>> rules = Rule("b", P()) + pick
+    >>> rules
+    Rules(Rule('b', P()), first_path('dp'))
+    >>> rules.resolve(["w", "b"])
+    Rules(Rule('b', P()), Rule('w', P('dp')))
+    """
+
+    decide: Callable[[tuple[str, ...]], Rules] = attrs.field(eq=False)
+    label: str
+    _decided: dict[frozenset[str], Rules] = attrs.field(init=False, eq=False, factory=dict)
+
+    def rules_for(self, paths: Iterable[str]) -> Rules:
+        """The rules for a tree with these tensor paths (the same object for
+        the same paths)."""
+        key = frozenset(paths)
+        rules = self._decided.pop(key, None)  # re-inserted: the latest is last
+        if rules is None:
+            rules = self.decide(tuple(paths))
+            if not isinstance(rules, Rules):
+                raise ShardingError(f"{self.label} decided {rules!r}, not Rules")
+        self._decided[key] = rules
+        while len(self._decided) > 8:  # a few trees (params, a reshard target) at a time
+            del self._decided[next(iter(self._decided))]
+        return rules
+
+    def __add__(self, other: Rule | ShardOver | Rules) -> Rules:
+        return Rules(self) + other
+
+    def __radd__(self, other: Rule | ShardOver | int) -> Rules:
+        return Rules(self) if isinstance(other, int) and other == 0 else Rules(other, self)
+
+    def __repr__(self) -> str:
+        return self.label
+
+
 ShardOver.__add__ = Rule.__add__  # type: ignore[method-assign]
 ShardOver.__radd__ = Rule.__radd__  # type: ignore[method-assign]
 ModuleRule.__add__ = Rule.__add__  # type: ignore[attr-defined]
@@ -107,18 +160,20 @@ def _spread(items: Iterable[Any]) -> Iterator[Any]:
 
 def is_rules(value: Any) -> bool:
     """Whether ``value`` is rules: a :class:`Rule`, :class:`ShardOver`,
-    :class:`ModuleRule`, :class:`Rules`, or a non-empty list of them."""
-    kinds = (Rule, ShardOver, ModuleRule, Rules)
+    :class:`ModuleRule`, :class:`Deferred`, :class:`Rules`, or a non-empty
+    list of them."""
+    kinds = (Rule, ShardOver, ModuleRule, Deferred, Rules)
     if type(value) in (list, tuple):
         return bool(value) and all(is_rules(v) for v in value)
     return isinstance(value, kinds)
 
 
-def as_rules(specs: Any) -> Rules | None:
-    """``specs`` as :class:`Rules` when it is rules (a list of rules too), else None."""
-    if isinstance(specs, Rules):
-        return specs
-    return Rules(specs) if is_rules(specs) else None
+def as_rules(specs: Any, paths: Iterable[str] | None = None) -> Rules | None:
+    """``specs`` as :class:`Rules` when it is rules (a list of rules too),
+    else None; with ``paths`` (the key paths of a tree's tensors), its
+    :class:`Deferred` entries decided by them."""
+    rules = specs if isinstance(specs, Rules) else Rules(specs) if is_rules(specs) else None
+    return rules.resolve(paths) if rules is not None and paths is not None else rules
 
 
 def _glob_regex(pattern: str) -> str:
@@ -146,6 +201,19 @@ class Rules:
     Traceback (most recent call last):
     ...
     shardax.errors.ShardingError: no rule matches 'mlp.bias' (shape (8,)) and the rules are strict; add a rule such as Rule('mlp\\\\.bias', P()) or Rule('.*', P()) at the end
+
+    ``tensor_parallel=axes`` says the rules mean to split every weight
+    matrix over those axes (``rules.megatron`` sets it): laying out a tree
+    whose 2-D ``.weight`` tensors they leave whole there warns, naming them
+    (:class:`shardax.UnshardedWeightWarning`; strict rules raise) — unless a
+    rule replicates one on purpose, ``Rule(path, P())``
+    (:meth:`unsplit_weights` lists them).
+
+    :class:`Deferred` entries are decided by the paths of the tree the rules
+    lay out (:meth:`resolve`; ``shard``, ``init_params``, ``explain`` and
+    ``reshard`` do it): ``rules.megatron(names="auto")`` is one. The
+    per-path methods (``match``, ``spec_for``, ``placement``) need them
+    decided first.
     """
 
     rules: tuple[Rule, ...]
@@ -153,21 +221,28 @@ class Rules:
     strict: bool
     divisible: bool
     modules: tuple[ModuleRule, ...] = ()
+    tensor_parallel: tuple[str, ...] = ()
+    deferred: tuple[tuple[int, int, Deferred], ...] = ()  # (at rule, at module rule, entry)
 
     def __init__(
         self,
-        *rules: Rule | ShardOver | ModuleRule | Rules,
+        *rules: Rule | ShardOver | ModuleRule | Deferred | Rules,
         strict: bool = False,
         divisible: bool = False,
+        tensor_parallel: str | Iterable[str] = (),
     ) -> None:
         flat: list[Rule] = []
         overs: list[ShardOver] = []
         modules: list[ModuleRule] = []
+        deferred: list[tuple[int, int, Deferred]] = []
+        tp = list(normalize_axes(tensor_parallel))
         for r in _spread(rules):
             if isinstance(r, Rules):
+                deferred.extend((i + len(flat), j + len(modules), d) for i, j, d in r.deferred)
                 flat.extend(r.rules)
                 overs.extend(o for o in r.overs if o not in overs)
                 modules.extend(r.modules)
+                tp.extend(a for a in r.tensor_parallel if a not in tp)
                 strict, divisible = strict or r.strict, divisible or r.divisible
             elif isinstance(r, Rule):
                 flat.append(r)
@@ -176,13 +251,21 @@ class Rules:
                     overs.append(r)
             elif isinstance(r, ModuleRule):
                 modules.append(r)
+            elif isinstance(r, Deferred):
+                deferred.append((len(flat), len(modules), r))
             else:
                 raise ShardingError(
                     f"Rules takes Rule, ShardOver, ModuleRule or Rules values (or lists of "
                     f"them); got {r!r}"
                 )
         self.__attrs_init__(
-            tuple(flat), tuple(overs), bool(strict), bool(divisible), tuple(modules)
+            tuple(flat),
+            tuple(overs),
+            bool(strict),
+            bool(divisible),
+            tuple(modules),
+            tuple(dict.fromkeys(tp)),
+            tuple(deferred),
         )
 
     def __add__(self, other: Rule | ShardOver | Rules) -> Rules:
@@ -197,8 +280,45 @@ class Rules:
     def __len__(self) -> int:
         return len(self.rules)
 
+    def resolve(self, paths: Iterable[str]) -> Rules:
+        """These rules with every :class:`Deferred` entry decided by
+        ``paths``, the key paths of all the tensors of a tree; rules without
+        such entries are returned as they are.
+
+        >>> import torch, shardax as sx
+        >>> rules = sx.rules.megatron("tp", names="auto")
+        >>> rules
+        Rules(megatron('tp', names='auto'))
+        >>> rules.resolve(["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"]).rules[0]
+        Rule('(model\\\\.layers\\\\.\\\\d+\\\\.(self_attn\\\\.[qkv]_proj|mlp\\\\.(gate|up)_proj))\\\\.weight', P('tp', None))
+        """
+        if not self.deferred:
+            return self
+        paths = tuple(paths)
+        parts: list[Any] = []
+        r0 = m0 = 0
+        for i, j, entry in self.deferred:
+            parts += [*self.rules[r0:i], *self.modules[m0:j], entry.rules_for(paths)]
+            r0, m0 = i, j
+        parts += [*self.rules[r0:], *self.modules[m0:], *self.overs]
+        return Rules(
+            *parts,
+            strict=self.strict,
+            divisible=self.divisible,
+            tensor_parallel=self.tensor_parallel,
+        )
+
+    def _need_decided(self, what: str) -> None:
+        if self.deferred:
+            raise ShardingError(
+                f"Rules.{what} takes rules decided for one tree, and {self.deferred[0][2]!r} is "
+                "decided by a tree's paths: use rules.resolve(paths) (shard, init_params and "
+                "explain do), or name the model's modules explicitly (names=...)"
+            )
+
     def match(self, path: str) -> Rule | None:
         """The first rule matching ``path``, or None."""
+        self._need_decided("match")
         return next((r for r in self.rules if r.matches(path)), None)
 
     def spec_for(
@@ -206,6 +326,7 @@ class Rules:
     ) -> PartitionSpec:
         """The spec for one leaf in ``role`` (``"params"``, ``"compute"``,
         ``"grads"`` or ``"opt_state"``), checked against its shape and the mesh."""
+        self._need_decided("spec_for")
         if role not in ROLES:
             raise ShardingError(f"unknown role {role!r}; roles are {ROLES!r}")
         if len(shape) == 0:
@@ -228,6 +349,7 @@ class Rules:
 
     def placement(self, path: str, shape: Sequence[int], mesh: AbstractMesh) -> Placement:
         """The compute, grads and opt_state layouts of one leaf."""
+        self._need_decided("placement")
         rule = self.match(path) if len(shape) else None
         partial = rule.partial if rule is not None else ()
         compute = Layout(mesh, self.spec_for(path, shape, mesh, "compute"), partial=partial)
@@ -236,7 +358,34 @@ class Rules:
 
     def unmatched(self, paths: Iterable[str]) -> list[str]:
         """The paths no rule matches."""
-        return [p for p in paths if self.match(p) is None]
+        paths = list(paths)
+        rules = self.resolve(paths)
+        return [p for p in paths if rules.match(p) is None]
+
+    def unsplit_weights(self, shapes: Mapping[str, Sequence[int]]) -> list[str]:
+        """The weight matrices — 2-D tensors whose path ends in ``.weight``
+        — of ``shapes`` (path → shape, every tensor of a tree) that these
+        rules do not split over their ``tensor_parallel`` axes: no rule
+        matches them, or the one that does splits them over other axes
+        only. A rule that replicates (``P()``) is a choice, not an
+        omission: its weights are not listed.
+
+        >>> rules = Rules(Rule("fc.weight", P("tp")), Rule("pos.weight", P()), tensor_parallel="tp")
+        >>> rules.unsplit_weights({"fc.weight": (8, 4), "pos.weight": (8, 4), "out.weight": (4, 8), "norm.weight": (4,)})
+        ['out.weight']
+        """
+        rules = self.resolve(shapes)
+        tp = set(rules.tensor_parallel)
+        if not tp:
+            return []
+        out = []
+        for path, shape in shapes.items():
+            if len(shape) != 2 or path.rsplit(".", 1)[-1] != "weight":
+                continue
+            rule = rules.match(path)
+            if rule is None or (rule.spec.axes and not tp & set(rule.spec.axes)):
+                out.append(path)
+        return out
 
     def replicated(
         self, tree: Any, mesh: AbstractMesh, axis: str | None = None, role: str = "compute"
@@ -254,22 +403,30 @@ class Rules:
         from .._tree import flatten_with_paths
 
         paths, leaves, _ = flatten_with_paths(tree)
+        rules = self.resolve(p for p, x in zip(paths, leaves, strict=True) if hasattr(x, "shape"))
         out = []
         for path, x in zip(paths, leaves, strict=True):
             shape = tuple(getattr(x, "shape", ()))
             if not hasattr(x, "dtype") or not shape:
                 continue
-            used = set(self.spec_for(path, shape, mesh, role).axes)
+            used = set(rules.spec_for(path, shape, mesh, role).axes)
             if (axis in used) if axis is not None else used:
                 continue
             out.append((path, shape, math.prod(shape) * x.dtype.itemsize))
         return sorted(out, key=lambda r: -r[2])
 
     def __repr__(self) -> str:
-        flags = (", strict=True" if self.strict else "") + (
-            ", divisible=True" if self.divisible else ""
+        flags = (
+            (", strict=True" if self.strict else "")
+            + (", divisible=True" if self.divisible else "")
+            + (f", tensor_parallel={self.tensor_parallel!r}" if self.tensor_parallel else "")
         )
-        entries = (*self.rules, *self.overs, *self.modules)
+        entries: list[Any] = []
+        r0 = 0
+        for i, _, entry in self.deferred:
+            entries += [*self.rules[r0:i], entry]
+            r0 = i
+        entries += [*self.rules[r0:], *self.overs, *self.modules]
         return "Rules(" + ", ".join(repr(r) for r in entries) + flags + ")"
 
 

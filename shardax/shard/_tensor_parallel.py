@@ -171,6 +171,20 @@ def vocab_parallel_cross_entropy(
     return (per_token * keep).sum() / keep.sum().clamp(min=1)
 
 
+def _sliding_window(module: nn.Module) -> int | None:
+    """The window a Hugging Face attention layer attends within (Mistral's
+    ``config.sliding_window``; Qwen2's where its ``layer_types`` say
+    so), or None for full attention."""
+    config = getattr(module, "config", None)
+    window = getattr(module, "sliding_window", None) or getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    kinds, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if kinds is not None and layer is not None and kinds[layer] != "sliding_attention":
+        return None
+    return int(window)
+
+
 def ulysses_attention(axis: Axis = "sp") -> Any:
     """A ``forward`` for :class:`ModuleRule` that runs a Llama-family
     attention module (``q_proj``/``k_proj``/``v_proj``/``o_proj``, rotary
@@ -201,6 +215,14 @@ def ulysses_attention(axis: Axis = "sp") -> Any:
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        window, whole = _sliding_window(module), hidden_states.shape[1] * mesh.size(axis)
+        if window is not None and whole > window:
+            raise ShardingError(
+                f"ulysses_attention runs full causal attention, and {type(module).__name__} "
+                f"attends within a sliding window of {window} tokens, shorter than the sequence "
+                f"({whole}): train on sequences of at most {window} tokens, or use "
+                "rules.megatron (the model's own attention) for longer ones"
+            )
         if attention_mask is not None:
             raise ShardingError(
                 "ulysses_attention runs causal attention over whole sequences; the model passed "

@@ -113,6 +113,20 @@ def test_rules_that_match_no_tensor_warn_or_fail_when_strict():
     specs(PARAMS, sx.rules.zero(3))  # no path rules at all: nothing to match, no warning
 
 
+def test_tensor_parallel_rules_name_the_weight_matrices_they_leave_whole():
+    split = Rules(Rule(r".*\.qkv\.weight", P("tp", None)), tensor_parallel="tp")
+    rules = split + Rules(Rule(r"emb\.bias", P()), divisible=True)
+    assert rules.tensor_parallel == ("tp",) and rules.divisible
+    assert repr(rules).endswith(", divisible=True, tensor_parallel=('tp',))")
+    with pytest.warns(
+        sx.UnshardedWeightWarning, match=r"leave 1 whole there.*'emb.weight' \(50, 16\)"
+    ):
+        specs(PARAMS, rules)  # the 1-D biases and the 0-d scales are not weight matrices
+    specs(PARAMS, Rule(r"emb\.weight", P()) + rules)  # whole on purpose
+    with pytest.raises(ShardingError, match=r"Rule\('emb\\\\.weight', P\(\)\) \+ rules"):
+        specs(PARAMS, Rules(rules, strict=True))
+
+
 class State(NamedTuple):
     mu: dict
     count: torch.Tensor
