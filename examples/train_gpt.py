@@ -34,18 +34,38 @@ config from-deepspeed ds_config.json`` converts a DeepSpeed one) sets the
 mesh, ZeRO stage, optimizer, schedule, precision (fp16 with dynamic loss
 scaling too), batch sizes with gradient accumulation, checkpointing and
 logging; flags given on the command line override it. Without one, the
-flags make the config.
+flags make the config. The same file may set the example's own options by
+name — ``steps``, ``batch_size``, ``zero``, ``preset``, ``progress`` … (the
+flags without their dashes, ``-`` as ``_``) — over their defaults, e.g. a
+file holding only ``{"preset": "tiny", "steps": 50}``; flags given on the
+command line win over the file, and an unknown key is an error naming the
+valid ones.
+
+On a terminal (stdout and stderr both; under ``shardax launch``, the
+launcher's, which it says with ``SHARDAX_TTY=1`` and passes the bar's
+redraws through), rank 0 shows a progress bar with the ETA, the loss and
+tokens/s, the loss lines printed above it; ``--progress``/``--no-progress``
+force it on or off. Elsewhere (a pipe, a file, CI) the output is the plain
+loss lines. At the end rank 0 writes the loss record
+next to the checkpoints: ``loss.csv`` (step, loss, lr, tokens/s, and the
+validation loss on the last row) and, where matplotlib is installed,
+``loss.png``; without it, a sparkline of the loss curve is printed instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import difflib
 import itertools
 import json
+import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 import torch
@@ -57,6 +77,9 @@ from gpt import GPT, PRESETS, generate, param_count
 
 import shardax as sx
 from shardax import P
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 OPTIMIZERS = ["adamw", "adam", "lion", "sgd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,7 +124,13 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
-    parser.add_argument("--config", type=Path, help="a run config (hjson); flags override it")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="an hjson or JSON file: a run config (docs/config.md) and/or this script's options "
+        "by name (steps, batch_size, zero, ...) over their defaults; flags given override it",
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size")
     parser.add_argument("--zero", type=int, choices=range(4), default=3, help="ZeRO stage")
     parser.add_argument(
@@ -162,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--metrics", type=Path, help="append each step's loss and lr as JSON lines (rank 0)"
     )
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        help="a progress bar with the ETA and tokens/s on rank 0 (%(default)s: when stdout and "
+        "stderr are terminals; otherwise the plain loss lines)",
+    )
     parser.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate")
     parser.add_argument("--prompt", default="ROMEO:", help="the sample's prompt")
     parser.add_argument(
@@ -190,10 +225,12 @@ CONFIG_FLAGS = {
 }
 
 
-def run_config(args: argparse.Namespace, given: set[str]) -> sx.config.RunConfig:
-    """The run: the flags' own config, or ``--config``'s with the flags
-    given on the command line written over it."""
-    if args.config is None:
+def run_config(
+    args: argparse.Namespace, given: set[str], base: sx.config.RunConfig | None = None
+) -> sx.config.RunConfig:
+    """The run: the flags' own config, or ``base`` (the ``--config`` file's
+    run config) with the flags given written over it."""
+    if base is None:
         data: dict = {
             "optimizer": {"betas": [0.9, 0.95], "momentum": 0.9 if args.optimizer == "sgd" else 0},
             "schedule": {"type": "warmup_cosine", "end_lr": args.lr / 10},
@@ -201,7 +238,7 @@ def run_config(args: argparse.Namespace, given: set[str]) -> sx.config.RunConfig
         }
         flags = CONFIG_FLAGS
     else:
-        data = sx.config.load_config(args.config).to_dict()
+        data = base.to_dict()
         flags = {k: v for k, v in CONFIG_FLAGS.items() if k in given}
         if "batch_size" in given:  # a new global batch: the micro batch follows from it
             data["batch"]["micro"] = None
@@ -226,9 +263,143 @@ def run_config(args: argparse.Namespace, given: set[str]) -> sx.config.RunConfig
     return sx.config.RunConfig.from_dict(data, str(args.config or "the command line"))
 
 
+# -- --config: a run config and/or the options by name -----------------------------
+
+RUN_TOP = ("mesh", "steps", "seed")  # a run config's top-level keys that are options too
+
+
+def run_sections() -> list[str]:
+    """A run config's sections (``parallel``, ``optimizer``, ...)."""
+    return [k for k, v in sx.config.RunConfig().to_dict().items() if isinstance(v, dict)
+            and k not in RUN_TOP]  # fmt: skip
+
+
+def file_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The options a ``--config`` file may set, by name (``batch_size``)."""
+    actions = parser._actions  # argparse lists its actions nowhere public
+    return {a.dest: a for a in actions if a.option_strings and a.dest not in ("help", "config")}
+
+
+def read_config(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The object in the hjson (or JSON) file ``path``; any other content
+    is a ``parser.error``."""
+    import hjson
+
+    try:
+        data = hjson.loads(path.read_text(), object_pairs_hook=_unique_keys)
+    except OSError as err:
+        parser.error(f"--config {path}: cannot read it: {err.strerror or err}")
+    except (ValueError, OverflowError) as err:  # bad syntax, a key twice, 1e400
+        parser.error(f"--config {path}: not valid hjson or JSON: {err}")
+    if not isinstance(data, dict):
+        parser.error(
+            f'--config {path}: write an object of settings, e.g. {{"steps": 50}}; '
+            f"got {type(data).__name__}"
+        )
+    return data
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is written twice (the later would replace it)")
+        out[key] = value
+    return out
+
+
+def split_config(data: dict[str, Any], options: Sequence[str]) -> tuple[dict, dict]:
+    """``data``'s options and its run-config sections (an object under
+    ``optimizer`` or ``precision`` is the section, a string the option).
+
+    >>> split_config({"steps": 5, "optimizer": "lion", "batch": {"global": 8}}, ["optimizer"])
+    ({'steps': 5, 'optimizer': 'lion'}, {'batch': {'global': 8}})
+    """
+    names = run_sections()
+    sections = {
+        k: v for k, v in data.items() if k in names and (isinstance(v, dict) or k not in options)
+    }
+    return {k: v for k, v in data.items() if k not in sections}, sections
+
+
+def option_words(action: argparse.Action, value: Any) -> list[str]:
+    """An option's value from a file as the command line writes it
+    (``ValueError`` for a value no flag can take).
+
+    >>> option_words(file_options(build_parser())["mesh"], {"dp": 2, "tp": 1})
+    ['--mesh=dp=2,tp=1']
+    """
+    flag, key = action.option_strings[0], action.dest
+    if value is None:  # null: the default
+        return []
+    if action.nargs == 0 or (action.nargs == "?" and isinstance(value, bool)):  # a switch
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} is true or false; got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else f"--no-{flag[2:]}"]
+        return [flag] if value else []
+    if key == "mesh" and isinstance(value, dict):
+        value = ",".join(f"{axis}={size}" for axis, size in value.items())
+    if isinstance(value, (bool, list, dict)):
+        raise ValueError(f"{key} takes one value, as {flag} does; got {value!r}")
+    return [f"{flag}={value}"]
+
+
+def config_words(data: dict[str, Any], parser: argparse.ArgumentParser, path: Path) -> list[str]:
+    """The options of a ``--config`` file as command-line words, checked as
+    the flags are (an unknown key, a bad value: ``parser.error`` naming the
+    file)."""
+    options = file_options(parser)
+    sections = run_sections()
+    own, _ = split_config(data, list(options))
+    words: list[str] = []
+    for key, value in own.items():
+        if key not in options:
+            close = difflib.get_close_matches(key, [*options, *sections], n=1)
+            parser.error(
+                f"--config {path}: unknown key {key!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; the keys are this script's options: {', '.join(sorted(options))}; and "
+                f"the run-config sections: {', '.join(sections)} (docs/config.md)"
+            )
+        try:
+            words += option_words(options[key], value)
+        except ValueError as err:
+            parser.error(f"--config {path}: {err}")
+    checker = build_parser()  # the file's words alone: an error names the file
+
+    def error(message: str) -> None:
+        parser.error(f"--config {path}: {message}")
+
+    checker.error = error  # type: ignore[method-assign, assignment]
+    checker.parse_args(words)
+    return words
+
+
+def file_run_config(args: argparse.Namespace, data: dict[str, Any]) -> sx.config.RunConfig | None:
+    """The ``--config`` file's run config: None without sections (the file
+    only sets options); the whole file, read as ``shardax config check``
+    reads it, when it holds nothing else; else its sections with the
+    run's mesh, steps and seed."""
+    options, sections = split_config(data, list(file_options(build_parser())))
+    if not sections:
+        return None
+    if set(options) <= set(RUN_TOP):
+        return sx.config.load_config(args.config)
+    top = {k: getattr(args, k) for k in RUN_TOP if k in args.given}
+    return sx.config.RunConfig.from_dict({**sections, **top}, str(args.config))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The options: defaults, then the ``--config`` file's, then the flags given."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    data: dict[str, Any] = {}
+    if args.config is not None:
+        data = read_config(args.config, parser)
+        argv = [*config_words(data, parser, args.config), *argv]  # the later word wins
+        args = parser.parse_args(argv)
     probe = build_parser()
     probe.set_defaults(**dict.fromkeys(vars(args)))
     args.given = {k for k, v in vars(probe.parse_args(argv)).items() if v is not None}
@@ -243,10 +414,162 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup must be in [0, --steps={args.steps})")
     try:
-        args.run = run_config(args, args.given)
+        args.run = run_config(args, args.given, file_run_config(args, data) if data else None)
     except sx.config.ConfigError as err:
         parser.error(str(err))
     return args
+
+
+# -- the progress bar ------------------------------------------------------------
+
+
+def shows_progress(flag: bool | None, rank: int) -> bool:
+    """Whether this rank shows the bar: ``--progress``/``--no-progress``, or
+    (neither given) whether stdout and stderr are both terminals — directly,
+    or at the end of ``shardax launch``'s pipes (it sets ``SHARDAX_TTY=1``
+    and passes redraws through); rank 0 only."""
+    if rank != 0:
+        return False
+    if flag is not None:
+        return flag
+    if os.environ.get("SHARDAX_TTY") == "1":
+        return True
+    return all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr))
+
+
+def progress_bar(steps: int, start: int) -> tqdm:
+    """A bar over the steps on stderr: done, elapsed < ETA, then the postfix."""
+    from tqdm import tqdm  # imported only when a bar is shown
+
+    return tqdm(
+        total=steps,
+        initial=start,
+        desc="train",
+        dynamic_ncols=True,
+        bar_format="{desc} {percentage:3.0f}%|{bar}| step {n_fmt}/{total_fmt} "
+        "[{elapsed}<{remaining}{postfix}]",
+    )
+
+
+def advance(bar: tqdm, loss: float, tokens_per_step: int) -> None:
+    """One step on, showing the loss (4 decimals) and tokens/s (3
+    significant digits: ``24.8k``) at the bar's smoothed step rate, which
+    the ETA uses too."""
+    rate = bar.format_dict["rate"]  # steps/s; None until the bar has been drawn twice
+    speed = f", {bar.format_sizeof(rate * tokens_per_step)} tokens/s" if rate else ""
+    bar.set_postfix_str(f"loss {loss:.4f}{speed}", refresh=False)
+    bar.update()
+
+
+class AboveBar:
+    """A text stream whose lines are printed above a bar (``tqdm.write``),
+    so the periodic loss lines and the bar do not mix."""
+
+    def __init__(self, bar: tqdm, file: TextIO) -> None:
+        self.bar, self.file, self.pending = bar, file, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            self.bar.write(line, file=self.file)
+        return len(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+# -- the loss record --------------------------------------------------------------
+
+LOSS_FIELDS = ("step", "loss", "lr", "tokens_per_s", "val_loss")
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], width: int = 60) -> str:
+    """``values`` as a line of block characters, low ``▁`` to high ``█``,
+    averaged down to ``width`` characters; a NaN or infinite one (or a
+    stretch of them) is a space.
+
+    >>> sparkline([1, 2, 3, 4, 5, 6, 7, 8])
+    '▁▂▃▄▅▆▇█'
+    >>> sparkline([2.0, 2.0, float("nan"), float("inf"), 1.0])
+    '██  ▁'
+    """
+    n = len(values)
+    if n > width:  # the mean of each of ``width`` runs of steps
+        cuts = [i * n // width for i in range(width + 1)]
+        values = [math.fsum(values[a:b]) / (b - a) for a, b in itertools.pairwise(cuts)]
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return " " * len(values)
+    low, span = min(finite), max(finite) - min(finite)
+    top = len(BLOCKS) - 1
+    return "".join(
+        BLOCKS[round(top * (v - low) / span) if span else 0] if math.isfinite(v) else " "
+        for v in values
+    )
+
+
+def read_loss_csv(path: Path, upto: int) -> list[dict[str, Any]]:
+    """The rows of an earlier ``loss.csv`` up to step ``upto`` (a resumed
+    run's record starts with them); none if there is no such file."""
+    if upto < 1 or not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    try:
+        rows = [{k: (int if k == "step" else float)(v) for k, v in r.items() if v} for r in rows]
+    except (TypeError, ValueError):  # not a loss record of this script: start afresh
+        return []
+    return [r for r in rows if r.get("step", upto + 1) <= upto]
+
+
+def write_loss_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """``rows`` as CSV: step, loss, lr, tokens_per_s and (last row) val_loss."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, LOSS_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot_loss(rows: Sequence[dict[str, Any]], path: Path) -> bool:
+    """Plot the loss curve (and the validation loss) into the PNG ``path``;
+    False, and no file, when matplotlib is not installed."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)  # no display needed
+    ax = fig.add_subplot()
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train")
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", label="validation")
+    ax.set(xlabel="step", ylabel="loss (nats/byte)", title="train_gpt.py")
+    ax.legend()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def loss_record(directory: Path, rows: list[dict[str, Any]], start: int) -> list[str]:
+    """Write ``directory/loss.csv`` (an earlier record's rows up to ``start``
+    first) and ``loss.png`` where matplotlib is; the lines to print."""
+    path = directory / "loss.csv"
+    rows = [*read_loss_csv(path, start), *rows]
+    if not rows:
+        return []
+    write_loss_csv(path, rows)
+    png = directory / "loss.png"
+    if plot_loss(rows, png):
+        return [f"loss record: {path}, plot: {png}"]
+    losses = [r["loss"] for r in rows]
+    return [
+        f"loss {losses[0]:.4f} {sparkline(losses)} {losses[-1]:.4f} "
+        f"(steps {rows[0]['step']}-{rows[-1]['step']})",
+        f"loss record: {path} (no plot: matplotlib is not installed)",
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,6 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     grad_fn = sx.value_and_grad(loss_fn, bucket_bytes=run.parallel.bucket_bytes)
     tokens_per_step = batch.global_size * cfg.seq_len
+    bar = progress_bar(steps, start) if shows_progress(args.progress, rank) else None
     monitor = sx.monitor.Monitor.from_config(
         run.monitor,
         mesh=mesh,
@@ -350,7 +674,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             param_count(cfg), cfg.n_layers, cfg.seq_len, cfg.d_model
         ),
         total_steps=steps,
+        stream=AboveBar(bar, sys.stdout) if bar is not None else None,
     )
+    record: list[dict] = []  # rank 0: each step's loss, lr and tokens/s, for the loss record
     started = time.perf_counter()
     micro_steps = iter(
         sx.data.batches(
@@ -361,6 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     for step in range(start + 1, steps + 1):
+        began = time.perf_counter()
         with monitor.step(step):
             for micro in itertools.islice(micro_steps, accumulation):
                 scale = loss_scale.scale if loss_scale is not None else 1.0
@@ -381,12 +708,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             monitor.log(loss=loss, lr=schedule(step - 1))
             if loss_scale is not None:
                 monitor.log(loss_scale=loss_scale.scale)
+        if rank == 0:
+            tokens_per_s = tokens_per_step / (time.perf_counter() - began)
+            record.append({"step": step, "loss": float(loss), "lr": schedule(step - 1),
+                           "tokens_per_s": tokens_per_s})  # fmt: skip
+            if bar is not None:
+                advance(bar, record[-1]["loss"], tokens_per_step)
         state = {"params": params, "opt_state": opt_state, "step": step}
         manager.save(step, state, metadata=meta, force=step == steps)
         if metrics is not None:
             metrics.write(json.dumps({"step": step, "loss": float(loss), "lr": schedule(step - 1)}))
             metrics.write("\n")
             metrics.flush()
+    if bar is not None:
+        bar.close()
     monitor.close()
     elapsed = time.perf_counter() - started
     if metrics is not None:
@@ -396,10 +731,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     val_batches = list(sx.data.batches(val, val_sampler, num_steps=args.eval_batches))
     val_loss = evaluate(logits_of, params, val_batches, mesh) if val_batches else float("nan")
     say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
+    if record and val_batches:
+        record[-1]["val_loss"] = val_loss
 
     manager.wait()
     if manager.latest() is not None:
         say(f"saved {manager.path(manager.latest())}")
+    if rank == 0 and (lines := loss_record(Path(ckpt.dir), record, start)):
+        say(*lines)  # loss.csv (and loss.png) next to the checkpoints
 
     if args.sample_tokens > 0:
         prompt = sx.data.TextDataset.encode(args.prompt)[None]

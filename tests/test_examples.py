@@ -1,9 +1,16 @@
 """The README's main job, the conformance script and the benchmarks run under
-``shardax launch`` in fresh processes, as a user runs them."""
+``shardax launch`` in fresh processes, as a user runs them; the training
+example's options, progress bar and loss record also in this process, on
+one rank (fast)."""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
+import io
 import json
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -84,6 +91,11 @@ def test_train_gpt_on_two_ranks_with_zero3(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ZeRO-3" in done.stdout and "[rank 0] step     4  loss" in done.stdout
     assert "sample:" in done.stdout
+    # not a terminal: the plain lines, no progress bar; the loss record beside the checkpoints
+    assert not re.search(r"\r|\x1b\[|train +\d+%", done.stdout + done.stderr)
+    assert f"[rank 0] loss record: {out / 'loss.csv'}" in done.stdout
+    record = list(csv.DictReader((out / "loss.csv").read_text().splitlines()))
+    assert [r["step"] for r in record] == ["1", "2", "3", "4"]
     final = out / "step-00000004"
     assert f"saved {final}" in done.stdout
     assert sx.ckpt.verify(final) == []
@@ -177,3 +189,128 @@ def test_check_cost_benchmark_smoke(tmp_path):
     assert {(r["backend"], r["op"]) for r in result["rows"]} >= {("torch", "psum_1")}
     assert all(r["checked_us"] > 0 and r["unchecked_us"] > 0 for r in result["rows"])
     assert set(result["per_step"]) >= {"torch"}
+
+
+# -- the training example in this process (one rank, tiny model, a few steps) --
+
+
+@pytest.fixture(scope="module")
+def train_gpt():
+    """``examples/train_gpt.py`` as a module (its ``sys.path`` entry for
+    ``gpt`` undone afterwards)."""
+    path = ROOT / "examples" / "train_gpt.py"
+    saved = list(sys.path)
+    spec = importlib.util.spec_from_file_location("train_gpt_example", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+TINY = ["--preset", "tiny", "--batch-size", "2", "--log-every", "2", "--eval-batches", "1",
+        "--sample-tokens", "0"]  # fmt: skip
+
+
+def _run_in_process(module, *args: str) -> None:
+    with torch.random.fork_rng():
+        assert module.main([*TINY, *args]) == 0
+
+
+def test_sparkline(train_gpt):
+    spark = train_gpt.sparkline
+    up = spark([math.log(1 + i) for i in range(200)])  # averaged down to 60 characters
+    assert len(up) == 60 and up[0] == "▁" and up[-1] == "█"
+    assert list(up) == sorted(up)  # monotone in, monotone out ("▁" < ... < "█")
+    down = spark([5.0, 4.0, 3.5, 3.4, 3.0])
+    assert list(down) == sorted(down, reverse=True) and down[0] == "█" and down[-1] == "▁"
+    assert spark([2.5] * 7) == "▁" * 7 and spark([]) == ""
+    odd = spark([3.0, float("nan"), 2.0, float("inf"), -float("inf"), 1.0])
+    assert odd == "█ ▅  ▁"  # 2.0: halfway up, rounded
+    assert spark([float("nan")] * 3) == "   "
+    assert len(spark([float("nan")] * 100 + [1.0] * 100)) == 60
+
+
+def test_progress_bar_shows_on_a_terminal_on_rank_0(train_gpt, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    shows = train_gpt.shows_progress
+    assert not shows(None, 0)  # pytest's captured output is no terminal
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert not shows(None, 0)  # stderr is not one either
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert shows(None, 0) and not shows(None, 1) and not shows(False, 0)
+    monkeypatch.setattr(sys, "stdout", None)
+    assert not shows(None, 0) and shows(True, 0)
+
+
+def test_config_file_options_merge_under_the_flags(train_gpt, tmp_path, capsys):
+    """A file's options replace the defaults, flags given replace the file;
+    an unknown key or a bad value is one error naming the file and the key."""
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"preset": "tiny", "steps": 40, "batch_size": 8, "zero": 2}))
+    args = train_gpt.parse_args(["--config", str(config), "--steps", "12"])
+    assert (args.preset, args.steps, args.batch_size, args.zero) == ("tiny", 12, 8, 2)
+    assert args.lr == 3e-3 and args.warmup == 1  # defaults; the warmup follows --steps 12
+    run = args.run
+    assert run.steps == 12 and run.parallel.zero == 2 and run.batch.global_size == 8
+    hjson_file = tmp_path / "run.hjson"
+    hjson_file.write_text(
+        '// options and a run-config section\npreset: tiny\noptimizer: {type: "lion"}\n'
+    )
+    args = train_gpt.parse_args(["--config", str(hjson_file), "--no-progress"])
+    assert args.preset == "tiny" and args.run.optimizer.type == "lion" and args.progress is False
+
+    def error(text: str) -> str:
+        config.write_text(text)
+        with pytest.raises(SystemExit) as exit:
+            train_gpt.parse_args(["--config", str(config)])
+        assert exit.value.code == 2
+        return capsys.readouterr().err
+
+    err = error('{"steps": 4, "batch_sise": 8}')
+    assert f"error: --config {config}: unknown key 'batch_sise' (did you mean 'batch_size'?)" in err
+    assert "options: batch_size, clip," in err and "sections: parallel, optimizer" in err
+    assert f"--config {config}: argument --zero: invalid choice: 5" in error('{"zero": 5}')
+    assert "steps takes one value" in error('{"steps": true}')
+    assert "the key 'steps' is written twice" in error('{"steps": 4, "steps": 5}')
+
+
+def test_loss_record_plain_output_and_a_forced_bar(train_gpt, tmp_path, capsys, monkeypatch):
+    """Not a terminal: the periodic lines as ever, no bar; then ``loss.csv``
+    (a row per step, the validation loss on the last) and, without
+    matplotlib, a sparkline. Resumed with ``--progress``: the bar on stderr,
+    the loss lines whole on stdout, the record continuing the first run's."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # absent, even where installed
+    out = tmp_path / "ckpt"
+    _run_in_process(train_gpt, "--steps", "3", "--out", str(out))
+    stdout, stderr = capsys.readouterr()
+    assert not re.search(r"\r|\x1b\[|train +\d+%", stdout + stderr)
+    assert re.search(r"^step     2  loss \d\.\d{4}  lr ", stdout, re.M)
+    rows = list(csv.DictReader((out / "loss.csv").read_text().splitlines()))
+    assert list(rows[0]) == ["step", "loss", "lr", "tokens_per_s", "val_loss"]
+    assert [r["step"] for r in rows] == ["1", "2", "3"] and float(rows[0]["tokens_per_s"]) > 0
+    assert [r["val_loss"] != "" for r in rows] == [False, False, True]
+    losses = [float(r["loss"]) for r in rows]
+    line = f"loss {losses[0]:.4f} {train_gpt.sparkline(losses)} {losses[-1]:.4f} (steps 1-3)"
+    assert line in stdout.splitlines()
+    assert f"loss record: {out / 'loss.csv'} (no plot: matplotlib is not installed)" in stdout
+    assert not (out / "loss.png").exists()
+
+    _run_in_process(train_gpt, "--steps", "4", "--out", str(out), "--resume", "--progress")
+    stdout, stderr = capsys.readouterr()
+    assert "train 100%" in stderr and "step 4/4 [" in stderr and "loss " in stderr
+    assert re.search(r"^step     4  loss \d\.\d{4}  lr ", stdout, re.M)
+    assert "\r" not in stdout and "train " not in stdout and "(steps 1-4)" in stdout
+    again = list(csv.DictReader((out / "loss.csv").read_text().splitlines()))
+    assert again[:3] == rows and again[3]["step"] == "4" and again[3]["val_loss"]
+
+
+def test_the_loss_plot_where_matplotlib_is(train_gpt, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"step": 1, "loss": 5.5}, {"step": 2, "loss": 5.0, "val_loss": 5.1}]
+    assert train_gpt.plot_loss(rows, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")

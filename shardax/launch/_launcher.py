@@ -154,6 +154,8 @@ def launch(
         else:
             shown = validate_ranks(log_ranks, spec.world_size, "log_ranks")
         run_env = {**base_env, "SHARDAX_RESTART_COUNT": str(restart)}
+        if _on_terminal():  # the ranks' pipes end on one: they may draw progress bars
+            run_env.setdefault("SHARDAX_TTY", "1")
         outcome, code, sink = _run_once(spec, shown, float(kill_grace), run_env, stop_on_stdin_eof)
         if not outcome.failures or restart >= max_restarts:
             return code
@@ -163,6 +165,11 @@ def launch(
             f"shardax launch: restarting every rank (restart {restart} of {max_restarts}) "
             f"because rank {rank} failed ({describe_returncode(returncode)})"
         )
+
+
+def _on_terminal() -> bool:
+    """Whether the launcher's stdout and stderr are both terminals."""
+    return all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr))
 
 
 def _run_once(

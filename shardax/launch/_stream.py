@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Literal
 
 __all__ = [
@@ -66,12 +66,19 @@ class Sink:
         self._streams = {"stdout": stdout, "stderr": stderr}
         self._broken: set[str] = set()
         self._lock = threading.Lock()
+        self._redrawn = False  # the terminal's last line is a redraw (a progress bar)
 
-    def write(self, which: Which, data: bytes) -> None:
-        """Write ``data`` (whole lines) to ``which`` and flush, atomically."""
+    def write(self, which: Which, data: bytes, *, redraw: bool = False) -> None:
+        """Write ``data`` (whole lines) to ``which`` and flush, atomically.
+        With ``redraw``, ``data`` is a ``\r`` redraw of the last line; a
+        line after one clears it first (``\r`` and erase to its end), on
+        either stream, so a bar never runs into a line."""
         with self._lock:
             if which in self._broken:
                 return
+            if not redraw and self._redrawn:
+                data = b"\r\x1b[K" + data
+            self._redrawn = redraw
             stream = self._streams[which] or getattr(sys, which)
             try:
                 buffer = getattr(stream, "buffer", None)
@@ -147,19 +154,55 @@ class RankOutput:
 
     def _pump(self, pipe: IO[bytes], which: Which, prefix: bytes, sink: Sink, show: bool) -> None:
         try:
-            while line := pipe.readline(MAX_LINE_BYTES):
-                if not line.endswith(b"\n"):
-                    line += b"\n"
+            for piece, is_line in _pieces(pipe):
+                if not is_line:  # a "\r" redraw (a progress bar): at once, over the last
+                    if show:
+                        sink.write(which, b"\r" + prefix + piece, redraw=True)
+                    continue
                 if which == "stderr":
-                    text = line.decode("utf-8", "replace").rstrip("\r\n")
+                    text = piece.decode("utf-8", "replace").rstrip("\r\n")
                     with self._tail_lock:
                         self._tail.append(text)
                 if show:
-                    sink.write(which, prefix + line)
+                    sink.write(which, prefix + piece)
         except (OSError, ValueError):  # the pipe was closed under us
             pass
         finally:
             pipe.close()
+
+
+def _pieces(pipe: IO[bytes]) -> Iterator[tuple[bytes, bool]]:
+    """``(piece, is_line)`` as the rank writes them: whole lines (ending in
+    a newline, which is added at the end of the output if missing; a line
+    longer than :data:`MAX_LINE_BYTES` in pieces of that size), and the text
+    of each ``\r`` redraw (``\rstep 3/10``, as a progress bar writes it),
+    handed on as soon as the next ``\r`` or newline ends it. A ``\r\n``
+    ending is a line's."""
+    read = getattr(pipe, "read1", None) or pipe.readline
+    pending = b""
+    while chunk := read(MAX_LINE_BYTES):
+        pending += chunk
+        while pending:
+            newline, carriage = pending.find(b"\n"), pending.find(b"\r")
+            if carriage != -1 and (newline == -1 or carriage < newline):
+                if carriage + 1 == len(pending):
+                    break  # a "\r\n" maybe: wait for the next byte
+                if pending[carriage + 1 : carriage + 2] != b"\n":
+                    if carriage:
+                        yield pending[:carriage], False
+                    pending = pending[carriage + 1 :]
+                    continue
+                newline = carriage + 1
+            if newline == -1:
+                if len(pending) >= MAX_LINE_BYTES:
+                    yield pending[:MAX_LINE_BYTES] + b"\n", True
+                    pending = pending[MAX_LINE_BYTES:]
+                    continue
+                break
+            yield pending[: newline + 1], True
+            pending = pending[newline + 1 :]
+    if pending:
+        yield (pending if pending.endswith(b"\n") else pending + b"\n"), True
 
 
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ")

@@ -377,3 +377,76 @@ def test_the_launcher_does_not_import_torch() -> None:
         [*LIGHT, "--check-no-torch"], capture_output=True, text=True, timeout=TIMEOUT_S
     )
     assert check.stdout.strip() == "False", check.stderr
+
+
+def _pump(data: bytes) -> str:
+    """What the launcher shows of a rank that writes ``data`` to stdout."""
+    import io
+    import threading
+
+    from shardax.launch._stream import RankOutput, Sink
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    shown = io.StringIO()
+    ranks = RankOutput(
+        0, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"), sink=Sink(shown), show=True
+    )
+    ranks.start()
+    writer = threading.Thread(
+        target=lambda: (os.write(out_w, data), os.close(out_w), os.close(err_w))
+    )
+    writer.start()
+    writer.join()
+    assert ranks.join(30)
+    return shown.getvalue()
+
+
+def test_a_progress_bar_redraws_in_place_and_lines_stay_whole() -> None:
+    """A ``\\r`` redraw is passed on as ``\\r[rank k] text`` (the bar redraws
+    on the launcher's terminal); the line after it starts at the margin;
+    ``\\r\\n`` still ends a line; a partial last line gets its newline."""
+    got = _pump(b"start\n\r 10%|#  |\r 50%|## |\nlog\n\r100%|###|\ndone\r\ntail")
+    assert got == (
+        "[rank 0] start\n"
+        "\r[rank 0]  10%|#  |"
+        "\r\x1b[K[rank 0]  50%|## |\n"
+        "[rank 0] log\n"
+        "[rank 0] 100%|###|\n"
+        "[rank 0] done\r\n"
+        "[rank 0] tail\n"
+    )
+
+
+def _shown_tty(tmp_path: Path, terminal: bool) -> str:
+    """The launcher's output of a rank printing its ``SHARDAX_TTY``, with the
+    launcher's stdout and stderr on a pseudo-terminal or on pipes."""
+    import pty
+
+    script = tmp_path / "tty.py"
+    script.write_text("import os\nprint('tty', os.environ.get('SHARDAX_TTY', 'unset'))\n")
+    argv = [sys.executable, "-m", "shardax", "launch", "--nproc-per-node", "1", str(script)]
+    if not terminal:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+    main, side = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=side, stderr=side)
+    os.close(side)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the terminal's other side closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert proc.wait(timeout=120) == 0
+    return b"".join(chunks).decode()
+
+
+def test_the_ranks_learn_whether_the_launcher_is_on_a_terminal(tmp_path: Path) -> None:
+    assert "[rank 0] tty 1" in _shown_tty(tmp_path, terminal=True)
+    assert _shown_tty(tmp_path, terminal=False) == "[rank 0] tty unset\n"
