@@ -237,6 +237,7 @@ def test_progress_bar_shows_on_a_terminal_on_rank_0(train_gpt, monkeypatch):
         def isatty(self) -> bool:
             return True
 
+    monkeypatch.delenv("SHARDAX_TTY", raising=False)
     shows = train_gpt.shows_progress
     assert not shows(None, 0)  # pytest's captured output is no terminal
     monkeypatch.setattr(sys, "stdout", Terminal())
@@ -245,6 +246,8 @@ def test_progress_bar_shows_on_a_terminal_on_rank_0(train_gpt, monkeypatch):
     assert shows(None, 0) and not shows(None, 1) and not shows(False, 0)
     monkeypatch.setattr(sys, "stdout", None)
     assert not shows(None, 0) and shows(True, 0)
+    monkeypatch.setenv("SHARDAX_TTY", "1")  # shardax launch on a terminal
+    assert shows(None, 0) and not shows(None, 1)
 
 
 def test_config_file_options_merge_under_the_flags(train_gpt, tmp_path, capsys):

@@ -65,15 +65,30 @@ def _train(mesh_shape: dict[str, int], path: str, start: int) -> list[float]:
     return losses
 
 
-@pytest.mark.world_size(4)
-def test_a_two_rank_checkpoint_resumes_on_any_mesh(tmp_path):
-    path = str(tmp_path / "step-3")
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
+    """A 2-rank run that saves at step ``SAVED_AT``: the path, its losses."""
+    path = str(tmp_path_factory.mktemp("resume") / "step-3")
     whole = run_ranks(_train, {"dp": 2}, path, 0, world_size=2)[0]
     index = sx.ckpt.read_index(path)
     assert index.world_size == 2
     assert index.leaves["params.blocks.0.attn.qkv.weight"].shape == (48, 16)
-    for world, shape in [(1, {"dp": 1}), (3, {"dp": 3}), (4, {"dp": 4}), (4, {"dp": 2, "tp": 2})]:
-        for resumed in run_ranks(_train, shape, path, SAVED_AT, world_size=world):
-            torch.testing.assert_close(
-                resumed, whole[SAVED_AT:], rtol=1e-6, atol=1e-6, msg=f"resumed on {shape}"
-            )
+    return path, whole
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    ("world", "shape"),
+    [
+        pytest.param(1, {"dp": 1}, id="1"),
+        pytest.param(3, {"dp": 3}, id="3", marks=pytest.mark.slow),  # 1 and 4's neighbours
+        pytest.param(4, {"dp": 4}, id="4", marks=pytest.mark.slow),
+        pytest.param(4, {"dp": 2, "tp": 2}, id="dp2xtp2"),
+    ],
+)
+def test_a_two_rank_checkpoint_resumes_on_any_mesh(saved, world, shape):
+    path, whole = saved
+    for resumed in run_ranks(_train, shape, path, SAVED_AT, world_size=world):
+        torch.testing.assert_close(
+            resumed, whole[SAVED_AT:], rtol=1e-6, atol=1e-6, msg=f"resumed on {shape}"
+        )

@@ -418,18 +418,14 @@ def test_a_progress_bar_redraws_in_place_and_lines_stay_whole() -> None:
     )
 
 
-def _shown_tty(tmp_path: Path, terminal: bool) -> str:
+def _shown_tty(tmp_path: Path) -> str:
     """The launcher's output of a rank printing its ``SHARDAX_TTY``, with the
-    launcher's stdout and stderr on a pseudo-terminal or on pipes."""
+    launcher's stdout and stderr on a pseudo-terminal."""
     import pty
 
     script = tmp_path / "tty.py"
     script.write_text("import os\nprint('tty', os.environ.get('SHARDAX_TTY', 'unset'))\n")
     argv = [sys.executable, "-m", "shardax", "launch", "--nproc-per-node", "1", str(script)]
-    if not terminal:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
     main, side = pty.openpty()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=side, stderr=side)
     os.close(side)
@@ -448,5 +444,4 @@ def _shown_tty(tmp_path: Path, terminal: bool) -> str:
 
 
 def test_the_ranks_learn_whether_the_launcher_is_on_a_terminal(tmp_path: Path) -> None:
-    assert "[rank 0] tty 1" in _shown_tty(tmp_path, terminal=True)
-    assert _shown_tty(tmp_path, terminal=False) == "[rank 0] tty unset\n"
+    assert "[rank 0] tty 1" in _shown_tty(tmp_path)  # (off one: test_examples)

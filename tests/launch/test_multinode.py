@@ -120,6 +120,7 @@ def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
     return out
 
 
+@pytest.mark.slow  # the conformance across nodes runs in tests/collectives/test_hierarchical.py
 @pytest.mark.world_size(4)
 def test_two_node_launchers_form_one_world_and_pass_conformance():
     port = free_port()

@@ -4,10 +4,9 @@ models, built from their config classes (random init, nothing downloaded):
 rotary positions, untied head) and a tiny ``GPT2LMHeadModel`` (``Conv1D``
 linears, packed ``c_attn``, tied head, learned positions) on tp=2 and
 dp=2 × tp=2 with ZeRO-1 and ZeRO-3, with Megatron sequence parallelism, and
-under Ulysses, match the single-process PyTorch run. tp=2 and dp=2 × tp=2
-ZeRO-3 (and Ulysses on sp=2) run by default; the other cases, each a
-neighbour of one that does (and all of them on the example GPT), with
-``pytest -m slow``."""
+under Ulysses, match the single-process PyTorch run. Llama on dp=2 × tp=2
+ZeRO-3, GPT-2 on tp=2 and both under Ulysses on sp=2 run by default; the
+other cases, each a neighbour of one that does, with ``pytest -m slow``."""
 
 from __future__ import annotations
 
@@ -22,14 +21,17 @@ from _parity import MEGATRON_CASES, MEGATRON_IDS, adamw_steps
 import shardax as sx
 
 VOCAB, SEQ, BATCH, STEPS = 32, 8, 4, 5
-# Every case on the example GPT runs by default (tests/shard/test_tensor_parallel.py);
-# on these two larger models tp2 and dp2xtp2-zero3 run by default, the rest are slow.
+# The example GPT's cases: tests/shard/test_tensor_parallel.py. On these two larger
+# models tp2 and dp2xtp2-zero3 are the candidates for the default run, the rest slow.
 HF_CASES = [
     pytest.param(
         *case, id=name, marks=[] if name in ("tp2", "dp2xtp2-zero3") else [pytest.mark.slow]
     )
     for case, name in zip(MEGATRON_CASES, MEGATRON_IDS, strict=True)
 ]
+# One of the two per model by default (Llama on dp2 x tp2 under ZeRO-3, GPT-2 on tp2,
+# whose dp2 x tp2 ZeRO-3 training also runs in tests/ckpt/test_hf_roundtrip.py).
+DEFAULT = {("llama", "dp2xtp2-zero3"), ("gpt2", "tp2")}
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-4, 0.1  # eps: see test_tensor_parallel.py
 
 
@@ -152,8 +154,19 @@ def train_megatron(
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize(("shape", "stage", "sp"), HF_CASES)
+@pytest.mark.parametrize(
+    ("family", "shape", "stage", "sp"),
+    [
+        pytest.param(
+            family,
+            *case.values,
+            id=f"{case.id}-{family}",
+            marks=case.marks or ([] if (family, case.id) in DEFAULT else [pytest.mark.slow]),
+        )
+        for case in HF_CASES
+        for family in ("llama", "gpt2")
+    ],
+)
 def test_megatron_matches_pytorch(family, shape, stage, sp):
     ref_losses, ref_params = reference(family)
     world = 2 if "dp" not in shape else 4

@@ -45,8 +45,11 @@ def _tree_round_trip(mesh_shape: dict[str, int]) -> dict:
 
 @pytest.mark.parametrize(
     ("world_size", "mesh_shape"),
-    [(1, {"x": 1}), (2, {"x": 2}), (4, {"x": 2, "y": 2})],
-    ids=["ws1", "ws2", "ws4"],
+    [
+        pytest.param(1, {"x": 1}, id="ws1"),
+        pytest.param(2, {"x": 2}, id="ws2"),
+        pytest.param(4, {"x": 2, "y": 2}, id="ws4", marks=pytest.mark.slow),  # 2-D: test_transfer
+    ],
 )
 def test_gather_of_shard_is_exact_for_trees(world_size, mesh_shape):
     results = run_ranks(_tree_round_trip, mesh_shape, world_size=world_size)

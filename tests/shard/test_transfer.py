@@ -65,7 +65,11 @@ def _check_pairs(world_size: int, mesh_shape: dict, shape: tuple[int, ...], bloc
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
-    ("world_size", "mesh_shape"), [(2, {"x": 2, "y": 1}), (4, {"x": 2, "y": 2})], ids=["ws2", "ws4"]
+    ("world_size", "mesh_shape"),
+    [
+        pytest.param(2, {"x": 2, "y": 1}, id="ws2"),
+        pytest.param(4, {"x": 2, "y": 2}, id="ws4", marks=pytest.mark.slow),  # ws2's 2-D mesh
+    ],
 )
 def test_blocked_layouts_to_and_from_every_layout_match_dense(world_size, mesh_shape):
     """A dim of equal blocks split block by block (``blocks``): to and from
