@@ -9,9 +9,7 @@ Hugging Face model's logits equal the sharded model's."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import _tiny as tiny
 import pytest
 import safetensors.torch
 import torch
@@ -20,40 +18,17 @@ from _dist import run_ranks
 
 import shardax as sx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from gpt import GPT, GPTConfig
-
-VOCAB, SEQ = 32, 8
+VOCAB, SEQ = tiny.VOCAB, tiny.SEQ
 
 
 def gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(config)
-
-
-def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
-
-
-def example_gpt() -> torch.nn.Module:
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=4))
+    return tiny.gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
 
 
 MODELS = {
-    "gpt": (example_gpt, sx.rules.GPT_NAMES),
+    "gpt": (tiny.example_gpt, sx.rules.GPT_NAMES),
     "hf-gpt2": (gpt2, sx.rules.GPT2_NAMES),
-    "hf-llama": (llama, sx.rules.LLAMA_NAMES),
+    "hf-llama": (tiny.llama, sx.rules.LLAMA_NAMES),
 }
 
 

@@ -8,47 +8,21 @@ Tensor-parallel rules that leave a weight matrix whole warn, naming it."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import _tiny as tiny
 import pytest
 import torch
 
 import shardax as sx
 from shardax import P, Rule, ShardingError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from gpt import GPT, GPTConfig
-
-TINY = dict(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=8,
-)
-
 
 def build(family: str) -> torch.nn.Module:
-    import transformers as tf
-
     torch.manual_seed(0)
     if family == "gpt":
-        return GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4))
+        return tiny.example_gpt()
     if family == "gpt2":
-        config = tf.GPT2Config(
-            vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=4, bos_token_id=0,
-            eos_token_id=0,
-        )  # fmt: skip
-        return tf.GPT2LMHeadModel(config)
-    config_class, model_class = {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),  # q, k and v have biases
-    }[family]
-    return model_class(config_class(**TINY))
+        return tiny.gpt2()
+    return tiny.llama(family)
 
 
 NAMES = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import _tiny as tiny
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from _parity import MEGATRON_CASES, MEGATRON_IDS, adamw_steps
 
 import shardax as sx
 
-VOCAB, SEQ, BATCH, STEPS = 32, 8, 4, 5
+VOCAB, SEQ, BATCH, STEPS = tiny.VOCAB, tiny.SEQ, 4, 5
 # The example GPT's cases: tests/shard/test_tensor_parallel.py. On these two larger
 # models tp2 and dp2xtp2-zero3 are the candidates for the default run, the rest slow.
 HF_CASES = [
@@ -36,41 +37,14 @@ LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-4, 0.1  # eps: see test_tensor_parall
 
 
 def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="sdpa",
-    )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return tiny.llama(attn_implementation="sdpa")
 
 
 def gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=16,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="sdpa",
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
     torch.manual_seed(0)
-    return GPT2LMHeadModel(config)
+    no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    return tiny.gpt2(**no_dropout, attn_implementation="sdpa", use_cache=False)
 
 
 MODELS = {"llama": (llama, sx.rules.LLAMA_NAMES), "gpt2": (gpt2, sx.rules.GPT2_NAMES)}

@@ -7,6 +7,7 @@ child's tensor. A tensor that nothing initialises is an error naming it."""
 
 from __future__ import annotations
 
+import _tiny as tiny
 import pytest
 import torch
 from _dist import run_ranks
@@ -14,28 +15,13 @@ from torch import nn
 
 import shardax as sx
 
-VOCAB, SEQ = 32, 8
 
-
-def gpt2(**extra: object) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=4,
-        bos_token_id=0, eos_token_id=0, **extra,
-    )  # fmt: skip
-    return GPT2LMHeadModel(config)
+def gpt2() -> nn.Module:
+    return tiny.gpt2()
 
 
 def llama(tie: bool = False) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        tie_word_embeddings=tie,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
+    return tiny.llama(tie_word_embeddings=tie)
 
 
 def dense_and_meta(make, seed: int = 0) -> tuple[dict[str, torch.Tensor], nn.Module]:

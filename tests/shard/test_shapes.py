@@ -9,9 +9,8 @@ live mesh, every ``Sharded`` parameter has the model's shape."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
+import _tiny as tiny
 import pytest
 import torch
 from _dist import run_ranks
@@ -19,36 +18,13 @@ from _dist import run_ranks
 import shardax as sx
 from shardax.ckpt._save import distinct_boxes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from gpt import GPT, GPTConfig
-
 ROLES = ("compute", "params", "grads", "opt_state")
 
 
-def example_gpt() -> torch.nn.Module:
-    return GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4))
-
-
-def hf_gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=4))
-
-
-def hf_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
-
-
 MODELS = {
-    "gpt": (example_gpt, sx.rules.GPT_NAMES),
-    "hf-gpt2": (hf_gpt2, sx.rules.GPT2_NAMES),
-    "hf-llama": (hf_llama, sx.rules.LLAMA_NAMES),
+    "gpt": (tiny.example_gpt, sx.rules.GPT_NAMES),
+    "hf-gpt2": (tiny.gpt2, sx.rules.GPT2_NAMES),
+    "hf-llama": (tiny.llama, sx.rules.LLAMA_NAMES),
 }
 
 
