@@ -16,7 +16,7 @@ import click
 
 from ._bad_setting import BadSetting
 from .ckpt._cli import ckpt_command
-from .config import _config_cli
+from .config._cli import _config_cli
 from .errors import USER_ERRORS, debugging
 from .launch._cli import launch_command
 

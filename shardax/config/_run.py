@@ -1,0 +1,333 @@
+"""``RunConfig``: a whole run (mesh, sections, steps, seed), read from
+data or hjson text, and turned into calls (mesh, rules, schedule, optimizer,
+loss scale, the printed plan)."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from ..errors import ConfigError
+from ._fields import _as_int, _positive
+from ._hjson import (
+    _DuplicateKey,
+    _first_key,
+    _keyed,
+    _line_of,
+    _no_duplicates,
+    _overflow,
+    _plain,
+    _unknown,
+)
+from ._sections import (
+    _RENAMES,
+    _SECTIONS,
+    BatchConfig,
+    CheckpointConfig,
+    MonitorConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    _section,
+)
+
+
+def _mesh(value: Any) -> dict[str, int]:
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError(f"mesh maps axis names to sizes, e.g. {{dp: -1, tp: 2}}; got {value!r}")
+    out = {}
+    for axis, size in value.items():
+        if not isinstance(axis, str) or isinstance(size, bool) or not isinstance(size, int):
+            raise ConfigError(
+                f"mesh.{axis}: an axis size is an integer (-1: the rest); got {size!r}"
+            )
+        out[axis] = size
+    return out
+
+
+@attrs.frozen
+class RunConfig:
+    """A whole run: ``mesh`` (axis → size, ``-1`` for the rest), the
+    sections, ``steps`` and ``seed``.
+
+    >>> RunConfig.from_dict({"optimizer": {"typ": "adamw"}})
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, clip_global_norm, eps, lr, momentum, type, weight_decay
+    """
+
+    mesh: dict[str, int] = attrs.field(factory=lambda: {"dp": -1}, converter=_mesh)
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
+    optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
+    schedule: ScheduleConfig = attrs.field(factory=ScheduleConfig)
+    precision: PrecisionConfig = attrs.field(factory=PrecisionConfig)
+    batch: BatchConfig = attrs.field(factory=lambda: BatchConfig(micro=8, accumulation=1))
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
+    monitor: MonitorConfig = attrs.field(factory=MonitorConfig)
+    steps: int = attrs.field(default=1000, converter=_as_int("steps"), validator=_positive)
+    seed: int = attrs.field(default=0, converter=_as_int("seed"))
+
+    def __attrs_post_init__(self) -> None:
+        s = self.schedule
+        total = s.total_steps if s.total_steps is not None else self.steps
+        decays = s.type in ("warmup_cosine", "warmup_linear")
+        if s.warmup_steps > total or (decays and s.warmup_steps and s.warmup_steps >= total):
+            where = "schedule.total_steps" if s.total_steps is not None else "steps"
+            than = "less than" if decays else "at most"
+            raise ConfigError(
+                f"schedule.warmup_steps ({s.warmup_steps}) must be {than} the total steps "
+                f"({where} = {total}): the warm-up would not end within the run"
+                + (" and leave steps to decay" if decays else "")
+                + "; lower warmup_steps or raise the total"
+            )
+        p, axes = self.parallel, sorted(self.mesh)
+        named = [("parallel.zero_axis", p.zero_axis if p.zero else None),
+                 ("parallel.tp", p.tp), ("parallel.sp", p.sp)]  # fmt: skip
+        for key, axis in named:
+            if axis is not None and axis not in self.mesh:
+                close = difflib.get_close_matches(axis, axes, n=1, cutoff=0.5)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"{key} names mesh axis {axis!r}{hint}, but the mesh {self.mesh} has axes "
+                    f"{axes}; add it to mesh or name one of those"
+                )
+        used = {p.zero_axis, p.tp, p.sp}  # the data axis splits the batch even at ZeRO-0
+        idle = [a for a, n in self.mesh.items() if n != 1 and a not in used]
+        if idle:
+            raise ConfigError(
+                f"mesh axis {idle[0]!r} (size {self.mesh[idle[0]]}) of {self.mesh} is used by no "
+                f"preset: its ranks would only repeat each other's work. Name it as "
+                f"parallel.tp (tensor parallelism) or parallel.sp (Ulysses), make it the "
+                f"data axis (parallel.zero_axis), or give it size 1"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> RunConfig:
+        """Build from parsed hjson/JSON; every unknown key is an error."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"{source}: a config is an object of sections; got {type(data).__name__}"
+            )
+        top = {"mesh", "steps", "seed", *_SECTIONS}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in top:
+                raise _keyed(_unknown(source, key, "", sorted(top)), key)
+            if key in _SECTIONS:
+                kwargs[key] = _section(source, key, _SECTIONS[key], value)
+            else:
+                kwargs[key] = value
+        try:
+            return cls(**kwargs)
+        except ConfigError as err:
+            key = getattr(err, "key_path", None) or _first_key(str(err), top)
+            raise _keyed(f"{source}: {err}", key) from None
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_text(cls, text: str, source: str = "config") -> RunConfig:
+        """Parse hjson (or JSON) text."""
+        import hjson
+
+        try:
+            data = hjson.loads(text, object_pairs_hook=_no_duplicates)
+        except hjson.HjsonDecodeError as err:
+            raise ConfigError(f"{source}: not valid hjson: {err}") from None
+        except (OverflowError, ValueError):  # hjson's own reader fails on 1e400
+            raise ConfigError(f"{source}:{_overflow(text)}") from None
+        except _DuplicateKey as dup:
+            line = _line_of(text, (dup.key,), occurrence=2)
+            raise ConfigError(
+                f"{source}:{line}: duplicate key {dup.key!r}: the later value would silently "
+                "replace the earlier one; keep one"
+            ) from None
+        try:
+            return cls.from_dict(_plain(data), source)
+        except ConfigError as err:
+            path = getattr(err, "key_path", None)
+            line = _line_of(text, tuple(path.split("."))) if path else None
+            if line is None or not str(err).startswith(f"{source}: "):
+                raise
+            raise _keyed(str(err).replace(f"{source}: ", f"{source}:{line}: ", 1), path) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data, in the file's key names (every value,
+        defaults included: the resolved config)."""
+        out: dict[str, Any] = {"mesh": dict(self.mesh), "steps": self.steps, "seed": self.seed}
+        for name in _SECTIONS:
+            section = attrs.asdict(getattr(self, name), recurse=False)
+            renamed = {v: k[1] for k, v in _RENAMES.items() if k[0] == name}
+            out[name] = {renamed.get(k, k): list(v) if isinstance(v, tuple) else v
+                         for k, v in section.items()}  # fmt: skip
+        return out
+
+    # -- into calls -------------------------------------------------------------
+
+    def abstract_mesh(self, world_size: int) -> Any:
+        """The mesh on ``world_size`` ranks (``-1`` resolved), for planning."""
+        from ..mesh import AbstractMesh
+        from ..mesh._mesh import _validate_shape
+
+        try:
+            names, sizes = _validate_shape(self.mesh, world=world_size)
+        except ValueError as err:
+            raise ConfigError(f"mesh {self.mesh!r} on {world_size} rank(s): {err}") from None
+        return AbstractMesh(dict(zip(names, sizes, strict=True)))
+
+    def dp_size(self, world_size: int) -> int:
+        """The data-parallel size on ``world_size`` ranks: the mesh's
+        ``parallel.zero_axis`` size (1 when the mesh lacks that axis)."""
+        mesh = self.abstract_mesh(world_size)
+        axis = self.parallel.zero_axis
+        return mesh.size(axis) if axis in mesh.axis_names else 1
+
+    def make_rules(self, names: Any = None) -> Any:
+        """The rules the presets give: ``rules.zero`` (+ ``rules.megatron`` /
+        ``rules.ulysses`` with ``names``)."""
+        from .. import rules
+
+        out = rules.zero(self.parallel.zero, self.parallel.zero_axis)
+        extra = {} if names is None else {"names": names}
+        if self.parallel.tp is not None:
+            out = (
+                rules.megatron(
+                    self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel, **extra
+                )
+                + out
+            )
+        if self.parallel.sp is not None:
+            out = rules.ulysses(self.parallel.sp, **extra) + out
+        return out
+
+    def make_schedule(self) -> Callable[[int], float]:
+        """The learning rate at each step (0-based)."""
+        from .. import optim
+
+        s, peak = self.schedule, self.optimizer.lr
+        total = s.total_steps or self.steps
+        if s.type == "constant":
+            return optim.constant_schedule(peak)
+        if s.type == "one_cycle":
+            return optim.one_cycle_schedule(
+                peak, total, pct_start=s.pct_start, div_factor=s.div_factor,
+                final_div_factor=s.final_div_factor,
+            )  # fmt: skip
+        if s.warmup == "linear" and s.type == "warmup_cosine":
+            return optim.warmup_cosine_decay_schedule(
+                peak, s.warmup_steps, total, init_value=s.init_lr, end_value=s.end_lr
+            )
+        if s.warmup == "linear" and s.type == "warmup_linear":
+            return optim.warmup_linear_decay_schedule(
+                peak, s.warmup_steps, total, init_value=s.init_lr, end_value=s.end_lr
+            )
+        return _warmup_then(s, peak, total)
+
+    def make_optimizer(self, accumulation: int = 1) -> Any:
+        """The optimizer on :meth:`make_schedule`: clipping first, fp32
+        master weights for bf16/fp16 params, :func:`optim.MultiSteps` over
+        ``accumulation`` micro-steps."""
+        from .. import optim
+
+        o, lr = self.optimizer, self.make_schedule()
+        b1, b2 = o.betas
+        makers: dict[str, Callable[[], Any]] = {
+            "adamw": lambda: optim.adamw(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
+            "adam": lambda: optim.adam(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
+            "lion": lambda: optim.lion(lr, b1=b1, b2=b2, weight_decay=o.weight_decay),
+            "sgd": lambda: optim.sgd(lr, momentum=o.momentum, weight_decay=o.weight_decay),
+            "adagrad": lambda: optim.adagrad(lr, eps=o.eps, weight_decay=o.weight_decay),
+            "rmsprop": lambda: optim.rmsprop(
+                lr, eps=o.eps, weight_decay=o.weight_decay, momentum=o.momentum
+            ),
+            "lamb": lambda: optim.lamb(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
+        }
+        opt = makers[o.type]()
+        if o.clip_global_norm:
+            opt = optim.chain(optim.clip_by_global_norm(o.clip_global_norm), opt)
+        if self.precision.params != "fp32" and self.precision.master_weights:
+            opt = optim.with_master_weights(opt)
+        if accumulation > 1:
+            opt = optim.MultiSteps(opt, accumulation)
+        return opt
+
+    def make_loss_scale(self) -> Any:
+        """A :class:`optim.DynamicLossScale` for fp16 (fixed when
+        ``dynamic`` is off), else None."""
+        from .. import optim
+
+        p = self.precision
+        if p.params != "fp16":
+            return None
+        if not p.dynamic:
+            return optim.DynamicLossScale(p.loss_scale, growth_interval=2**31 - 1)
+        return optim.DynamicLossScale(
+            p.loss_scale,
+            growth_interval=p.growth_interval,
+            backoff_factor=p.backoff_factor,
+            hysteresis=p.hysteresis,
+            min_scale=min(p.min_loss_scale, p.loss_scale),
+        )
+
+    def plan(self, world_size: int) -> str:
+        """The resolved plan on ``world_size`` ranks, as ``shardax config
+        check`` prints it."""
+        mesh = self.abstract_mesh(world_size)
+        batch = self.batch.resolve(self.dp_size(world_size))
+        p, o, s = self.parallel, self.optimizer, self.schedule
+        presets = [f"rules.zero({p.zero}, {p.zero_axis!r})"]
+        if p.tp:
+            presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
+        if p.sp:
+            presets.append(f"rules.ulysses({p.sp!r})")
+        lr = self.make_schedule()
+        total = s.total_steps or self.steps
+        return "\n".join(
+            [
+                f"mesh: {mesh!r} on {world_size} rank(s)",
+                f"presets: {' + '.join(presets)}; gradient buckets {p.bucket_bytes / 2**20:g} MiB",
+                f"batch: global {batch.global_size} = micro {batch.micro} x accumulation "
+                f"{batch.accumulation} x data-parallel {self.dp_size(world_size)}",
+                f"optimizer: {o.type}(lr={o.lr:g}, betas={tuple(o.betas)}, eps={o.eps:g}, "
+                f"weight_decay={o.weight_decay:g})"
+                + (
+                    f", clipped at global norm {o.clip_global_norm:g}" if o.clip_global_norm else ""
+                ),
+                f"schedule: {s.type} (warmup {s.warmup_steps} steps, {s.warmup}); lr at steps "
+                f"0, {s.warmup_steps}, {total - 1}: {lr(0):.3g}, {lr(s.warmup_steps):.3g}, "
+                f"{lr(total - 1):.3g}",
+                f"precision: {self.precision.params}"
+                + (" with fp32 master weights" if self.precision.params != "fp32" else "")
+                + (", dynamic loss scale" if self.precision.params == "fp16" else ""),
+                f"steps: {self.steps}, seed {self.seed}",
+                f"checkpoint: {self.checkpoint.dir} every {self.checkpoint.every or 'end'}, "
+                f"keep {self.checkpoint.keep}",
+                f"monitor: every {self.monitor.log_every} steps to {', '.join(self.monitor.writers)}",
+            ]
+        )
+
+
+def _warmup_then(s: ScheduleConfig, peak: float, total: int) -> Callable[[int], float]:
+    """Warmup (linear or DeepSpeed's log) to ``peak``, then constant, cosine
+    or linear decay to ``end_lr`` at ``total``."""
+    warm, init, end = s.warmup_steps, s.init_lr, s.end_lr
+    if s.type != "warmup_constant" and not total > warm:
+        raise ConfigError(f"schedule.total_steps ({total}) must exceed warmup_steps ({warm})")
+
+    def schedule(step: int) -> float:
+        if step < warm:
+            f = math.log(step + 1) / math.log(warm + 1) if s.warmup == "log" else step / warm
+            return init + (peak - init) * f
+        if s.type == "warmup_constant":
+            return peak
+        f = min(1.0, (step - warm) / (total - warm))
+        if s.type == "warmup_cosine":
+            return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * f))
+        return peak + (end - peak) * f
+
+    return schedule

@@ -1,0 +1,255 @@
+"""The sections of a run config (``parallel``, ``optimizer``, ``schedule``,
+``precision``, ``batch``, ``checkpoint``, ``monitor``): frozen attrs values
+whose fields are the one source of defaults, and building one from a file's
+object of settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import attrs
+
+from ..errors import ConfigError
+from ._fields import (
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    WRITERS,
+    _as_bool,
+    _as_float,
+    _as_int,
+    _as_str,
+    _in,
+    _list_of,
+    _non_negative,
+    _optional,
+    _positive,
+)
+from ._hjson import _first_key, _keyed, _unknown
+
+
+@attrs.frozen
+class ParallelConfig:
+    """Which presets shard the model: ``zero`` (0–3) over ``zero_axis``;
+    ``tp`` — the mesh axis of ``rules.megatron`` (``sequence_parallel`` for
+    Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``bucket_bytes``
+    of gradient reductions; ``prefetch`` of ZeRO-3 gathers."""
+
+    zero: int = attrs.field(default=0, converter=_as_int("zero"))
+    zero_axis: str = attrs.field(default="dp", converter=_as_str("zero_axis"))
+    tp: str | None = attrs.field(default=None, converter=_optional(_as_str, "tp"))
+    sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
+    sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
+    bucket_bytes: int = attrs.field(
+        default=25 * 2**20, converter=_as_int("bucket_bytes"), validator=_positive
+    )
+    prefetch: bool = attrs.field(default=True, converter=_as_bool("prefetch"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero is a ZeRO stage 0..3; got {self.zero!r}")
+        if self.sequence_parallel and self.tp is None:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp (the tensor axis)")
+
+
+@attrs.frozen
+class OptimizerConfig:
+    """The optimizer (``type``) and its hyperparameters."""
+
+    type: str = attrs.field(default="adamw", validator=_in(OPTIMIZERS))
+    lr: float = attrs.field(default=1e-3, converter=_as_float("lr"), validator=_positive)
+    betas: tuple[float, float] = attrs.field(
+        default=(0.9, 0.999), converter=_list_of(_as_float, "betas")
+    )
+    eps: float = attrs.field(default=1e-8, converter=_as_float("eps"))
+    weight_decay: float = attrs.field(
+        default=0.0, converter=_as_float("weight_decay"), validator=_non_negative
+    )
+    momentum: float = attrs.field(default=0.0, converter=_as_float("momentum"))
+    clip_global_norm: float | None = attrs.field(
+        default=None, converter=_optional(_as_float, "clip_global_norm"), validator=_positive
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.betas) != 2:
+            raise ConfigError(f"optimizer.betas is two numbers; got {self.betas!r}")
+
+
+@attrs.frozen
+class ScheduleConfig:
+    """The learning-rate schedule (its peak is ``optimizer.lr``):
+    ``warmup_steps`` from ``init_lr`` (``warmup: "linear"`` or DeepSpeed's
+    ``"log"``), then constant, cosine or linear decay to ``end_lr`` at
+    ``total_steps`` (default: the run's steps), or the 1cycle policy."""
+
+    type: str = attrs.field(default="constant", validator=_in(SCHEDULES))
+    warmup_steps: int = attrs.field(
+        default=0, converter=_as_int("warmup_steps"), validator=_non_negative
+    )
+    total_steps: int | None = attrs.field(
+        default=None, converter=_optional(_as_int, "total_steps"), validator=_positive
+    )
+    init_lr: float = attrs.field(default=0.0, converter=_as_float("init_lr"))
+    end_lr: float = attrs.field(default=0.0, converter=_as_float("end_lr"))
+    warmup: str = attrs.field(default="linear", validator=_in(("linear", "log")))
+    pct_start: float = attrs.field(default=0.3, converter=_as_float("pct_start"))
+    div_factor: float = attrs.field(default=25.0, converter=_as_float("div_factor"))
+    final_div_factor: float = attrs.field(default=1e4, converter=_as_float("final_div_factor"))
+
+
+@attrs.frozen
+class PrecisionConfig:
+    """The params' dtype; master weights in fp32 for bf16/fp16; dynamic
+    loss scaling for fp16 (``loss_scale``: initial scale, ``None`` for
+    dynamic from 2**16, or a fixed number with ``dynamic: false``), with
+    DeepSpeed's ``hysteresis`` and ``min_loss_scale`` as options."""
+
+    params: str = attrs.field(default="fp32", validator=_in(PRECISIONS))
+    master_weights: bool = attrs.field(default=True, converter=_as_bool("master_weights"))
+    loss_scale: float = attrs.field(
+        default=2.0**16, converter=_as_float("loss_scale"), validator=_positive
+    )
+    dynamic: bool = attrs.field(default=True, converter=_as_bool("dynamic"))
+    growth_interval: int = attrs.field(
+        default=2000, converter=_as_int("growth_interval"), validator=_positive
+    )
+    backoff_factor: float = attrs.field(default=0.5, converter=_as_float("backoff_factor"))
+    hysteresis: int = attrs.field(default=1, converter=_as_int("hysteresis"), validator=_positive)
+    min_loss_scale: float = attrs.field(
+        default=0.0, converter=_as_float("min_loss_scale"), validator=_non_negative
+    )
+
+
+class ResolvedBatch(NamedTuple):
+    """Batch sizes that add up: ``global_size == micro * accumulation * dp``."""
+
+    global_size: int
+    micro: int
+    accumulation: int
+
+
+@attrs.frozen
+class BatchConfig:
+    """``global`` (sequences per optimizer step, all ranks), ``micro`` (per
+    data-parallel rank and micro-step) and ``accumulation`` (micro-steps per
+    step): give any two and :meth:`resolve` computes the third."""
+
+    global_size: int | None = attrs.field(
+        default=None, converter=_optional(_as_int, "global"), validator=_positive
+    )
+    micro: int | None = attrs.field(
+        default=None, converter=_optional(_as_int, "micro"), validator=_positive
+    )
+    accumulation: int | None = attrs.field(
+        default=None, converter=_optional(_as_int, "accumulation"), validator=_positive
+    )
+
+    def resolve(self, dp_size: int) -> ResolvedBatch:
+        """The three sizes for ``dp_size`` data-parallel ranks.
+
+        >>> BatchConfig(global_size=24, micro=3).resolve(dp_size=4)
+        ResolvedBatch(global_size=24, micro=3, accumulation=2)
+        >>> BatchConfig(global_size=24, micro=3, accumulation=3).resolve(dp_size=4)
+        Traceback (most recent call last):
+        ...
+        shardax.errors.ConfigError: batch sizes do not add up: global 24 != micro 3 x accumulation 3 x data-parallel size 4 (= 36); give two of global/micro/accumulation and the third follows
+        """
+        g, m, a = self.global_size, self.micro, self.accumulation
+        if sum(v is not None for v in (g, m, a)) < 2:
+            if g is None and m is None:
+                raise ConfigError("batch needs two of global, micro and accumulation; got none")
+            a = a or 1
+        if g is None:
+            g = m * a * dp_size
+        elif m is None:
+            if g % (a * dp_size):
+                raise ConfigError(
+                    f"batch global {g} is not divisible by accumulation {a} x data-parallel size "
+                    f"{dp_size}: no whole micro batch; change global or accumulation"
+                )
+            m = g // (a * dp_size)
+        elif a is None:
+            if g % (m * dp_size):
+                raise ConfigError(
+                    f"batch global {g} is not divisible by micro {m} x data-parallel size "
+                    f"{dp_size}: no whole number of accumulation steps"
+                )
+            a = g // (m * dp_size)
+        if g != m * a * dp_size:
+            raise ConfigError(
+                f"batch sizes do not add up: global {g} != micro {m} x accumulation {a} x "
+                f"data-parallel size {dp_size} (= {m * a * dp_size}); give two of "
+                "global/micro/accumulation and the third follows"
+            )
+        return ResolvedBatch(g, m, a)
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """Sharded checkpoints into ``dir`` every ``every`` steps (0: at the
+    end only), keeping ``keep``, saved in the background when ``async_save``."""
+
+    dir: str = attrs.field(default="checkpoints/run", converter=_as_str("dir"))
+    every: int = attrs.field(default=0, converter=_as_int("every"), validator=_non_negative)
+    keep: int = attrs.field(default=2, converter=_as_int("keep"), validator=_positive)
+    async_save: bool = attrs.field(default=True, converter=_as_bool("async_save"))
+
+
+@attrs.frozen
+class MonitorConfig:
+    """What is measured and where it goes: every ``log_every`` steps, to
+    ``writers`` (in ``dir``); ``timers`` (forward/backward/optimizer/
+    communication breakdown), ``comm`` (per-collective log), ``memory``;
+    ``peak_tflops`` per rank for MFU. All off but stdout by default."""
+
+    log_every: int = attrs.field(default=25, converter=_as_int("log_every"), validator=_positive)
+    writers: tuple[str, ...] = attrs.field(
+        default=("stdout",), converter=_list_of(_as_str, "writers")
+    )
+    dir: str = attrs.field(default="runs/run", converter=_as_str("dir"))
+    timers: bool = attrs.field(default=False, converter=_as_bool("timers"))
+    comm: bool = attrs.field(default=False, converter=_as_bool("comm"))
+    memory: bool = attrs.field(default=False, converter=_as_bool("memory"))
+    peak_tflops: float | None = attrs.field(
+        default=None, converter=_optional(_as_float, "peak_tflops"), validator=_positive
+    )
+    progress: bool = attrs.field(default=False, converter=_as_bool("progress"))
+
+    def __attrs_post_init__(self) -> None:
+        for w in self.writers:
+            _in(WRITERS)(self, attrs.fields(MonitorConfig).writers, w)
+
+
+_SECTIONS: dict[str, type] = {
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "precision": PrecisionConfig,
+    "batch": BatchConfig,
+    "checkpoint": CheckpointConfig,
+    "monitor": MonitorConfig,
+}
+_RENAMES = {("batch", "global"): "global_size"}  # a Python keyword in the file
+
+
+def _section(source: str, name: str, cls: type, value: Any) -> Any:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: {name} is an object of settings; got {value!r}")
+    fields = {f.name for f in attrs.fields(cls)}
+    file_names = {_RENAMES.get((name, k), k): k for k in value}
+    allowed = sorted(({k for k in fields} - set(_RENAMES.values())) | {
+        k[1] for k in _RENAMES if k[0] == name
+    })  # fmt: skip
+    kwargs = {}
+    for field, key in file_names.items():
+        if field not in fields:
+            raise _keyed(_unknown(source, key, f"{name}.", allowed), f"{name}.{key}")
+        kwargs[field] = value[key]
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        key = _first_key(str(err), set(value))
+        raise _keyed(f"{source}: {name}.{err}", f"{name}.{key}" if key else None) from None
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{source}: {name}: {err}") from None
