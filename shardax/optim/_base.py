@@ -483,9 +483,11 @@ def _gradless(grads: Any, params: Any) -> list[int]:
     trees do not line up: ``update`` names the difference)."""
     if grads is None or params is None:
         return []
-    g_paths, g_leaves, _ = flatten_with_paths(grads, is_leaf=is_sharded, none_is_leaf=True)
-    p_paths = flatten_with_paths(params, is_leaf=is_sharded)[0]
-    if g_paths != p_paths:
+    g_leaves = optree.tree_leaves(grads, is_leaf=is_sharded, none_is_leaf=True)
+    if all(g is not None for g in g_leaves):  # every step of most models: no paths built
+        return []
+    g_paths = flatten_with_paths(grads, is_leaf=is_sharded, none_is_leaf=True)[0]
+    if g_paths != flatten_with_paths(params, is_leaf=is_sharded)[0]:
         return []
     return [i for i, g in enumerate(g_leaves) if g is None]
 

@@ -266,7 +266,9 @@ def apply(
     run = _Run(_plan(model, params, units), tape, prefetch)
     hooks = []
     mesh = next((x.mesh for x in params.values() if isinstance(x, Sharded)), None)
-    bound = as_rules(rules, paths=[k for k, v in params.items() if hasattr(v, "shape")])
+    bound = None
+    if rules is not None:  # decided by these params' paths (names="auto")
+        bound = as_rules(rules, paths=[k for k, v in params.items() if hasattr(v, "shape")])
     if rules is not None and bound is None:
         raise ShardingError(
             f"apply(rules=...) takes Rules (or a Rule, or a list of them); got {type(rules).__name__}"
