@@ -23,9 +23,9 @@ from .errors import ShardingError
 from .shard._modules import ModuleRule as ModuleRule
 from .shard._modules import Relayout as Relayout
 from .shard._placement import ShardOver as ShardOver
-from .shard._rules import Deferred
-from .shard._rules import Rule as Rule
-from .shard._rules import Rules as Rules
+from .shard._matching import Deferred
+from .shard._matching import Rule as Rule
+from .shard._matching import Rules as Rules
 from .shard._spec import P, blocks
 from .shard._tensor_parallel import local_sizes, ulysses_attention, vocab_parallel_embedding
 

@@ -24,7 +24,7 @@ import click
 from .._bad_setting import BadSetting
 from ..errors import CheckpointError, MeshError, ShardingError
 from ..mesh._mesh import AbstractMesh
-from ..shard._rules import Rule, Rules
+from ..shard._matching import Rule, Rules
 from ._format import ValueEntry, live_dir, parse_dtype, read_index
 from ._offline import (
     as_rules,

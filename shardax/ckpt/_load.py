@@ -19,7 +19,7 @@ from .._tree import render_path
 from ..errors import CheckpointError, ShardingError
 from ..mesh._mesh import AbstractMesh, Mesh
 from ..shard._layout import Layout
-from ..shard._rules import Rules, as_rules, fit_spec, is_rules
+from ..shard._matching import Rules, as_rules, fit_spec, is_rules
 from ..shard._sharded import Sharded
 from ..shard._spec import NamedSharding, PartitionSpec
 from ._format import (

@@ -24,7 +24,7 @@ from .._tree import render_path
 from ..errors import CheckpointError
 from ..mesh._mesh import AbstractMesh
 from ..shard._layout import Layout
-from ..shard._rules import Rule, Rules, is_rules
+from ..shard._matching import Rule, Rules, is_rules
 from ..shard._spec import P, PartitionSpec
 from ._format import (
     _BY_CODE,

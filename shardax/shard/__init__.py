@@ -31,8 +31,8 @@ from ._plan import Plan as Plan
 from ._plan import Step as Step
 from ._plan import plan_transfer as plan_transfer
 from ._random import manual_seed as manual_seed
-from ._rules import Rule as Rule
-from ._rules import Rules as Rules
+from ._matching import Rule as Rule
+from ._matching import Rules as Rules
 from ._sharded import Sharded as Sharded
 from ._spec import Blocks as Blocks
 from ._spec import NamedSharding as NamedSharding

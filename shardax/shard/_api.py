@@ -15,7 +15,7 @@ from .._tree import flatten_with_paths
 from ..errors import ShardingError, UnmatchedRulesWarning, UnshardedWeightWarning
 from ..mesh._mesh import AbstractMesh, Mesh
 from ._layout import Layout
-from ._rules import Rules, as_rules, fit_spec
+from ._matching import Rules, as_rules, fit_spec
 from ._sharded import Sharded
 from ._spec import NamedSharding, P, PartitionSpec
 from ._transfer import transfer

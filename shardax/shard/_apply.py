@@ -27,7 +27,7 @@ from ..errors import ShardingError
 from ._fused import Gathered, start_gather
 from ._modules import install
 from ._placement import role_layout
-from ._rules import as_rules
+from ._matching import as_rules
 from ._sharded import Sharded
 from ._transfer import transfer
 
