@@ -36,25 +36,31 @@ from .mesh import Mesh as Mesh
 from .mesh import init as init
 from .mesh import shutdown as shutdown
 from .shard import Blocks as Blocks
+from .shard import Explanation as Explanation
 from .shard import Layout as Layout
 from .shard import ModuleRule as ModuleRule
 from .shard import NamedSharding as NamedSharding
 from .shard import P as P
 from .shard import PartitionSpec as PartitionSpec
+from .shard import Placement as Placement
+from .shard import Plan as Plan
 from .shard import Relayout as Relayout
 from .shard import Rule as Rule
 from .shard import Rules as Rules
 from .shard import Sharded as Sharded
+from .shard import Step as Step
 from .shard import apply as apply
 from .shard import blocks as blocks
 from .shard import explain as explain
 from .shard import gather as gather
 from .shard import init_params as init_params
+from .shard import layouts_for as layouts_for
 from .shard import local_sizes as local_sizes
 from .shard import manual_seed as manual_seed
 from .shard import params_of as params_of
 from .shard import plan_transfer as plan_transfer
 from .shard import reshard as reshard
+from .shard import role_layout as role_layout
 from .shard import shard as shard
 from .shard import transfer as transfer
 from .shard import ulysses_attention as ulysses_attention
@@ -65,6 +71,12 @@ from .shard import vocab_parallel_embedding as vocab_parallel_embedding
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "Explanation",
+    "Placement",
+    "Plan",
+    "Step",
+    "layouts_for",
+    "role_layout",
     "AbstractMesh",
     "Blocks",
     "CheckpointError",

@@ -14,6 +14,12 @@ from shardax.cli import main
 
 SURFACE = {
     "shardax": [
+        "Explanation",
+        "Placement",
+        "Plan",
+        "Step",
+        "layouts_for",
+        "role_layout",
         "AbstractMesh",
         "Blocks",
         "CheckpointError",
@@ -338,6 +344,20 @@ def test_public_names_are_frozen():
         assert sorted(module.__all__) == sorted(expected), name
         for attr in module.__all__:
             assert hasattr(module, attr), f"{name}.{attr}"
+
+
+def test_each_public_name_has_one_home():
+    """``shardax.shard`` is the function (the package of the same name holds
+    the machinery): everything the shard package exports is reached from
+    ``shardax`` itself, as the same object — or, for the ZeRO entry, from
+    ``shardax.rules``, where the presets live."""
+    import shardax
+
+    package = sys.modules["shardax.shard"]
+    assert callable(shardax.shard) and shardax.shard.__module__ == "shardax.shard._api"
+    for attr in package.__all__:
+        home = shardax.rules if attr == "ShardOver" else shardax
+        assert getattr(home, attr) is getattr(package, attr), attr
 
 
 def _options(command: click.Command, prefix: str) -> dict[str, list[str]]:
