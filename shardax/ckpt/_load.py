@@ -24,16 +24,14 @@ from ..shard._sharded import Sharded
 from ..shard._spec import NamedSharding, PartitionSpec
 from ._format import (
     Box,
-    Files,
     Index,
     TensorEntry,
     ValueEntry,
-    intersect,
     live_dir,
     parse_dtype,
     read_index,
-    read_region,
 )
+from ._safetensors import Files, intersect, read_region
 from ._save import _world, flatten, wait_pending
 
 __all__ = [

@@ -30,22 +30,18 @@ from ._format import (
     _BY_CODE,
     INDEX,
     Box,
-    Files,
     Index,
-    ShardWriter,
     TensorEntry,
     ValueEntry,
     dtype_name,
     live_dir,
     parse_dtype,
-    read_header,
     read_index,
-    read_region,
-    row_blocks,
     write_index,
 )
 from ._load import decided, fill, spec_by_rules
 from ._model import MODEL_KEY
+from ._safetensors import Files, ShardWriter, read_header, read_region, row_blocks
 from ._save import (
     RNG_PREFIX,
     _commit,

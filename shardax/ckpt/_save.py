@@ -47,8 +47,8 @@ from ._format import (
     ValueEntry,
     dtype_name,
     write_index,
-    write_safetensors,
 )
+from ._safetensors import write_safetensors
 
 __all__ = ["AsyncSave", "save", "save_async"]
 

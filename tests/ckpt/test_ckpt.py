@@ -205,8 +205,8 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, torch, shardax as sx
-        from shardax.ckpt import _format
-        real = _format._bytes
+        from shardax.ckpt import _safetensors
+        real = _safetensors._bytes
         def dying(t):
             data = real(t)
             if len(data) == 4000:
@@ -215,7 +215,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
                     f.write(data[:2000])
                 os._exit(3)
             return data
-        _format._bytes = dying
+        _safetensors._bytes = dying
         sx.ckpt.save({str(path)!r}, {{"a": torch.ones(1000)}})
         """
     )
@@ -288,12 +288,12 @@ def test_index_is_human_readable(tmp_path):
 
 KILLED_RANK = """
 import os, sys, torch, shardax as sx
-from shardax.ckpt import _format
+from shardax.ckpt import _safetensors
 sx.init()
 mesh = sx.Mesh({"dp": -1})
 path = sys.argv[1]
 sx.ckpt.save(path, {"w": sx.shard(torch.zeros(2000), mesh, sx.P("dp"))})
-real = _format._bytes
+real = _safetensors._bytes
 def dying(t):
     data = real(t)
     if mesh.rank == 1 and len(data) == 4000:  # rank 1's half of w: half written, then death
@@ -302,7 +302,7 @@ def dying(t):
             f.write(data[:2000])
         os._exit(7)
     return data
-_format._bytes = dying
+_safetensors._bytes = dying
 sx.ckpt.save(path, {"w": sx.shard(torch.ones(2000), mesh, sx.P("dp"))})
 """
 

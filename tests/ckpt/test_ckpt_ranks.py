@@ -13,7 +13,7 @@ from _dist import RankFailed, run_ranks
 from click.testing import CliRunner
 
 import shardax as sx
-from shardax.ckpt import _format, _save
+from shardax.ckpt import _safetensors, _save
 from shardax.cli import main
 
 SPECS_2X2 = {
@@ -147,19 +147,19 @@ def save_rows(path: str) -> None:
 def bytes_read(path: str) -> tuple[int, bool]:
     """Load under P("dp") on this world size; the bytes this rank read."""
     total = 0
-    real = _format._read_span
+    real = _safetensors._read_span
 
     def counting(f, offset, into, where):
         nonlocal total
         total += len(into)
         return real(f, offset, into, where)
 
-    _format._read_span = counting
+    _safetensors._read_span = counting
     try:
         mesh = sx.Mesh({"dp": -1})
         w = sx.ckpt.load(path, {"w": sx.P("dp")}, mesh=mesh)["w"]
     finally:
-        _format._read_span = real
+        _safetensors._read_span = real
     (a, b), _ = w.bounds()
     expected = torch.arange(8 * 4096.0).reshape(8, 4096)[a:b]
     return total, torch.equal(w.local, expected)

@@ -13,20 +13,20 @@ import torch
 from click.testing import CliRunner
 
 import shardax as sx
-from shardax.ckpt import _format, _save
+from shardax.ckpt import _safetensors, _save
 from shardax.cli import main
 
 
 def count_reads(monkeypatch) -> list[int]:
     """The byte counts of every read a checkpoint reader makes from now on."""
     reads: list[int] = []
-    real = _format._read_span
+    real = _safetensors._read_span
 
     def counting(f, offset, into, where):
         reads.append(len(into))
         return real(f, offset, into, where)
 
-    monkeypatch.setattr(_format, "_read_span", counting)
+    monkeypatch.setattr(_safetensors, "_read_span", counting)
     return reads
 
 
@@ -138,7 +138,7 @@ def test_a_few_columns_of_a_row_major_box_read_only_those_columns(tmp_path, monk
     mesh = sx.Mesh({"tp": 1})
     entry = sx.ckpt.read_index(path).leaves["w"]
     reads = count_reads(monkeypatch)
-    with _format.Files(path) as files:
+    with _safetensors.Files(path) as files:
         out = torch.empty(1024, 8)
         sx.ckpt._load.fill(files, "w", entry, (0, 512), out, verify=False)
     assert torch.equal(out, full[:, 512:520])
