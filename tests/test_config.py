@@ -25,8 +25,8 @@ from shardax.config import (
     RunConfig,
     from_deepspeed,
     load_config,
-    to_hjson,
 )
+from shardax.config._deepspeed import to_hjson
 
 ROOT = Path(__file__).resolve().parents[1]
 DS_DIR = ROOT / "tests" / "deepspeed_configs"  # copies of ../shared/data/deepspeed-configs

@@ -22,7 +22,6 @@ there; batch sizes that do not add up name all three and the world size.
 
 from ..errors import ConfigError as ConfigError
 from ._deepspeed import from_deepspeed as from_deepspeed
-from ._deepspeed import to_hjson as to_hjson
 from ._load import load_config as load_config
 from ._run import RunConfig as RunConfig
 from ._sections import BatchConfig as BatchConfig

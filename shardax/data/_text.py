@@ -172,14 +172,8 @@ class TextDataset:
         >>> len(train), train.decode(train[0]["x"][:14])
         (3921, 'First Citizen:')
         """
-        import shardax
-
-        path = (
-            Path(shardax.__file__).resolve().parents[1]
-            / "examples"
-            / "data"
-            / "tinyshakespeare.txt"
-        )
+        # the repository root: shardax/data/_text.py -> parents[2]
+        path = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare.txt"
         if not path.is_file():
             raise FileNotFoundError(
                 f"tinyshakespeare.txt is not at {path} (looked in examples/data/ of the repository "

@@ -20,14 +20,11 @@ error. ``shardax report`` lists each library's status.
   sources needs neither CuPy nor a GPU.
 """
 
-from __future__ import annotations
-
-from ._build import NativeLibrary, cache_dir, find_compiler, registry
+from ._build import NativeLibrary as NativeLibrary
+from ._build import cache_dir as cache_dir
+from ._build import find_compiler as find_compiler
+from ._build import registry as registry
+from ._libraries import OPTIM as OPTIM
+from ._libraries import SHM as SHM
 
 __all__ = ["OPTIM", "SHM", "NativeLibrary", "cache_dir", "find_compiler", "registry"]
-
-SHM = NativeLibrary("shm", "shm.cpp")
-"""The shared-memory collectives' core (``kernels/csrc/shm.cpp``)."""
-
-OPTIM = NativeLibrary("optim", "optim.cpp")
-"""Fused optimizer steps (``kernels/csrc/optim.cpp``)."""
