@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from . import _timing
 from .collectives._traffic import Traffic, traffic
+from .mesh import Mesh
 
 __all__ = ["Monitor", "comm_rows", "peak_memory", "transformer_flops_per_token"]
 
@@ -240,7 +241,7 @@ class Monitor:
         tokens_per_step: int | None = None,
         flops_per_token: float | None = None,
         peak_tflops: float | None = None,
-        mesh: Any = None,
+        mesh: Mesh | None = None,
         total_steps: int | None = None,
         progress: bool = False,
         stream: TextIO | None = None,
@@ -257,8 +258,10 @@ class Monitor:
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.mesh, self.total_steps, self.progress = mesh, total_steps, progress
-        self.rank = getattr(mesh, "rank", 0) if mesh is not None else 0
-        self.world = getattr(mesh, "world_size", 1) if mesh is not None else 1
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh is a shardax.Mesh (or None); got {type(mesh).__name__}")
+        self.rank = mesh.rank if mesh is not None else 0
+        self.world = mesh.world_size if mesh is not None else 1
         self.stream = stream
         directory = Path(dir)
         make = {"stdout": lambda: _Stdout(stream), "csv": lambda: _Csv(directory),
@@ -385,7 +388,7 @@ class Monitor:
         bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
         stream = self.stream or sys.stderr
         line = f"[{bar}] {100 * done:5.1f}% step {step}/{self.total_steps} ETA {eta:,.0f} s"
-        if getattr(stream, "isatty", lambda: False)():
+        if stream.isatty():
             print("\r" + line, end="" if step < self.total_steps else "\n", file=stream, flush=True)
         else:
             print(line, file=stream, flush=True)

@@ -178,15 +178,8 @@ def _compiler() -> dict[str, Any]:
 def _kernels() -> dict[str, Any]:
     from . import kernels
 
-    registry = getattr(kernels, "registry", None)
     compiler = _compiler()
-    if registry is None:
-        return {
-            "compiler": compiler,
-            "kernels": [],
-            "note": "this version has no native kernels; pure-torch implementations run",
-        }
-    return {"compiler": compiler, "kernels": [_guard(k.status) for k in registry()]}
+    return {"compiler": compiler, "kernels": [_guard(k.status) for k in kernels.registry()]}
 
 
 def _cpu() -> dict[str, Any]:
