@@ -148,7 +148,7 @@ def test_bad_input_is_a_clear_error():
         Monitor(log_every=0)
     with pytest.raises(ValueError, match="MFU needs flops_per_token"):
         Monitor(peak_tflops=989.0)
-    with pytest.raises(TypeError, match="mesh is a shardax.Mesh .or None.; got AbstractMesh"):
+    with pytest.raises(TypeError, match=r"mesh is a shardax\.Mesh \(or None\); got AbstractMesh"):
         Monitor(mesh=sx.AbstractMesh({"dp": 2}))
 
 

@@ -147,7 +147,6 @@ SURFACE = {
         "vocab_parallel_embedding",
     ],
     "shardax.collectives": [
-        "AsyncResult",
         "Backend",
         "Group",
         "Handle",
@@ -192,6 +191,7 @@ SURFACE = {
         "DynamicLossScale",
         "EmptyState",
         "FactoredRmsState",
+        "FusedStep",
         "GradientTransformation",
         "InjectHyperparamsState",
         "MaskedState",
@@ -221,6 +221,7 @@ SURFACE = {
         "constant_schedule",
         "cosine",
         "cosine_decay_schedule",
+        "fused_step",
         "global_norm",
         "inject_hyperparams",
         "lamb",

@@ -2,17 +2,24 @@
 
 ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
 ``all_to_all``, ``ppermute``, ``broadcast``, ``axis_index``, ``axis_size``,
-``barrier``; ``async_op=True`` for overlap; ``count_once`` for a loss every
-rank computes identically. Their autograd transposes are one
-table (:mod:`shardax.collectives._ops`). Backends sit behind one small
-interface (:class:`Backend`); ``torch`` (gloo on CPU, NCCL on GPU) is the
-reference, ``shm`` the default for CPU ranks on a node, ``cupy`` (NCCL
-communicators made by CuPy) for GPU ranks where CuPy loads.
-``SHARDAX_BACKEND`` chooses.
+``barrier``; ``count_once`` for a loss every rank computes identically.
+Their autograd transposes are one table (:mod:`shardax.collectives._ops`).
+
+One return rule for every collective that returns a tensor: it returns the
+result (differentiable); ``out=buf`` writes it into ``buf`` and returns
+``buf`` (not differentiable; a misfit names the op, the axis and the shape
+the result needs); ``async_op=True`` returns a :class:`Handle` whose
+``wait()`` returns either. Details in :mod:`shardax.collectives._api`.
+
+Backends sit behind one small interface (:class:`Backend`); ``torch`` (gloo
+on CPU, NCCL on GPU) is the reference, ``shm`` the default for CPU ranks on
+a node, ``cupy`` (NCCL communicators made by CuPy) for GPU ranks where CuPy
+loads. ``SHARDAX_BACKEND`` chooses, for each process group as the mesh makes
+it.
 """
 
+from ..mesh._groups import Group as Group
 from ._agree import moving as moving
-from ._api import AsyncResult as AsyncResult
 from ._api import all_gather as all_gather
 from ._api import all_to_all as all_to_all
 from ._api import apply_op as apply_op
@@ -31,14 +38,12 @@ from ._backend import Backend as Backend
 from ._backend import Handle as Handle
 from ._backend import backend_names as backend_names
 from ._backend import get_backend as get_backend
-from ._group import Group as Group
 from ._ops import chunk_sizes as chunk_sizes
 from ._ops import transpose as transpose
 from ._traffic import Traffic as Traffic
 from ._traffic import traffic as traffic
 
 __all__ = [
-    "AsyncResult",
     "Backend",
     "Group",
     "Handle",

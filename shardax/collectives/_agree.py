@@ -57,7 +57,7 @@ import attrs
 import torch
 
 from ..errors import CollectiveError, CollectiveMismatchError
-from ._group import Group
+from ..mesh._groups import Group
 
 __all__ = [
     "AGREED", "WIDTH", "Call", "agree", "checks_enabled", "describe", "moving", "moving_now",

@@ -3,22 +3,44 @@
 ``axis`` is a mesh axis name or a tuple of names (a tuple acts as one axis of
 their combined size, first name major). The mesh is ``mesh=`` or the one of
 the innermost ``with mesh:`` block. A size-1 axis makes every collective
-local. ``async_op=True`` returns an :class:`AsyncResult` whose ``wait()``
-gives the (still differentiable) result.
+local.
+
+**One return rule.** Every collective that returns a tensor — ``psum``,
+``pmean``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
+``all_to_all``, ``ppermute``, ``broadcast`` — takes the same two keywords,
+which mean the same everywhere:
+
+- by default it returns the result, a new tensor, differentiable (backward
+  runs the op's transpose: :mod:`._ops`);
+- ``out=buf`` writes the result into ``buf`` and returns ``buf`` itself:
+  a contiguous tensor of the result's shape with ``x``'s dtype and device,
+  sharing no memory with ``x`` — except ``out=x``, in place, for the ops
+  whose result is shaped like ``x`` and that read it before writing (the
+  reductions and ``broadcast``). Not differentiable, as torch's ``out=``
+  is not: it raises where ``x`` requires grad under autograd. A ``buf``
+  that does not fit raises :class:`~shardax.errors.CollectiveError` naming
+  the op, the axis and the shape, dtype and device the result needs;
+- ``async_op=True`` issues the collective and returns a :class:`Handle` at
+  once; its ``wait()`` returns what the call would have returned (the
+  result, still differentiable, or ``buf``). The two combine.
+
+Other keywords (``tiled``, ``sizes``, ``concat_sizes``, ``src``) only say
+what the result is.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import CollectiveError, CollectiveMismatchError
 from ..mesh import _context
-from ._backend import Handle
-from ._group import Group
+from ..mesh._groups import Group
+from ..mesh._mesh import Mesh
+from ._backend import Handle, start
 from ._ops import (
     AllGather,
     AllReduce,
@@ -34,7 +56,6 @@ from ._ops import (
 )
 
 __all__ = [
-    "AsyncResult",
     "all_gather",
     "all_to_all",
     "apply_op",
@@ -54,9 +75,7 @@ __all__ = [
 Axis = str | tuple[str, ...]
 
 
-def _resolve_mesh(mesh: Any, what: str) -> Any:
-    from ..mesh._mesh import Mesh
-
+def _resolve_mesh(mesh: Mesh | None, what: str) -> Mesh:
     mesh = mesh if mesh is not None else _context.current()
     if mesh is None:
         raise CollectiveError(f"{what} needs a mesh: pass mesh=... or call it inside `with mesh:`")
@@ -65,7 +84,7 @@ def _resolve_mesh(mesh: Any, what: str) -> Any:
     return mesh
 
 
-def _group(axis: Axis | Iterable[str] | None, mesh: Any, what: str) -> Group:
+def _group(axis: Axis | Iterable[str] | None, mesh: Mesh | None, what: str) -> Group:
     mesh = _resolve_mesh(mesh, what)
     axes = mesh.axis_names if axis is None else axis
     return mesh.group(axes)
@@ -80,7 +99,8 @@ def _dim(x: torch.Tensor, dim: int, what: str) -> int:
 
 
 class _Collective(torch.autograd.Function):
-    """Runs an op; backward runs its transpose (itself differentiable)."""
+    """Runs an op (or finishes it: ``handle``); backward runs its transpose
+    (itself differentiable)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, op: Op, handle: Handle | None) -> torch.Tensor:
@@ -93,6 +113,63 @@ class _Collective(torch.autograd.Function):
         return _Collective.apply(g, transpose(ctx.op), None), None, None
 
 
+class _Extremum(torch.autograd.Function):
+    """pmax / pmin: not linear, so no transpose; the gradient goes to the
+    ranks holding the extremum, split evenly between ties."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, op: AllReduce, handle: Handle | None) -> torch.Tensor:
+        y = (handle if handle is not None else op.start(x)).wait()
+        ctx.group = op.group
+        ctx.save_for_backward(x, y)
+        return x.view_as(x) if y is x else y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, y = ctx.saved_tensors
+        hit = (x == y).to(g.dtype)
+        total = AllReduce(ctx.group, "sum").run(g)
+        count = AllReduce(ctx.group, "sum").run(hit)
+        return total * hit / count, None, None
+
+
+def _call(
+    x: torch.Tensor,
+    op: Op,
+    async_op: bool,
+    out: torch.Tensor | None = None,
+    *,
+    grad: type[torch.autograd.Function] = _Collective,
+    then: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Any:
+    """``op`` on ``x`` under the return rule (module docstring), the one
+    place it is applied: with ``out`` (which ``op`` writes, or a view of
+    which it writes), ``out``; else the result through ``grad``'s autograd,
+    then ``then`` (a reshaping of it); with ``async_op``, a :class:`Handle`
+    of that, the op issued now."""
+    if out is not None:
+        if not async_op:
+            op.run(x)
+            return out
+        handle = op.start(x)
+
+        def into() -> torch.Tensor:
+            handle.wait()
+            return out
+
+        return Handle.later(into)
+    if not async_op:
+        y = grad.apply(x, op, None)
+        return y if then is None else then(y)
+    issued = op.start(x)
+
+    def result() -> torch.Tensor:
+        y = grad.apply(x, op, issued)
+        return y if then is None else then(y)
+
+    return Handle.later(result)
+
+
 def apply_op(x: torch.Tensor, op: Op) -> torch.Tensor:
     """Run ``op`` on ``x``, differentiably (backward runs ``transpose(op)``).
 
@@ -103,27 +180,6 @@ def apply_op(x: torch.Tensor, op: Op) -> torch.Tensor:
     tensor([1., 1.])
     """
     return _Collective.apply(x, op, None)
-
-
-class AsyncResult:
-    """A collective in flight; ``wait()`` returns its differentiable result."""
-
-    __slots__ = ("_handle", "_op", "_result", "_x")
-
-    def __init__(self, x: torch.Tensor, op: Op) -> None:
-        self._x, self._op = x, op
-        self._handle: Handle | None = op.start(x)
-        self._result: torch.Tensor | None = None
-
-    def wait(self) -> torch.Tensor:
-        if self._result is None:
-            self._result = _Collective.apply(self._x, self._op, self._handle)
-            self._handle = None
-        return self._result
-
-
-def _run(x: torch.Tensor, op: Op, async_op: bool) -> Any:
-    return AsyncResult(x, op) if async_op else _Collective.apply(x, op, None)
 
 
 _MAX_DIMS = 16
@@ -156,20 +212,18 @@ def psum(
     x: torch.Tensor,
     axis: Axis,
     *,
-    mesh: Any = None,
-    async_op: bool = False,
+    mesh: Mesh | None = None,
     out: torch.Tensor | None = None,
+    async_op: bool = False,
 ) -> Any:
     """Sum ``x`` over the ranks along ``axis``; every rank gets the sum.
 
     Backward: psum of the cotangent (see :mod:`shardax.collectives._ops`) —
     so a loss computed from the sum identically on every rank goes through
-    :func:`count_once` before ``backward()``.
-
-    ``out``: a contiguous tensor like ``x`` to write the sum into instead of
-    a new one (``out=x`` sums in place), for buffers you reuse — gradient
-    buckets: no fresh allocation (whose first-touch page faults cost as
-    much as the copy on CPU). Not differentiable.
+    :func:`count_once` before ``backward()``. ``out``/``async_op``: the
+    return rule (:mod:`shardax.collectives`); ``out=x`` sums in place —
+    reuse gradient buckets so: no fresh allocation, whose first-touch page
+    faults cost as much as the copy on CPU.
 
     >>> import torch, shardax as sx
     >>> with sx.Mesh({"dp": -1}):
@@ -179,92 +233,64 @@ def psum(
     >>> sx.collectives.psum(buf, "dp", mesh=sx.Mesh({"dp": 1}), out=buf) is buf
     True
     """
-    return _run_out(x, AllReduce(_group(axis, mesh, "psum"), "sum", out), async_op)
+    return _call(x, AllReduce(_group(axis, mesh, "psum"), "sum", out=out), async_op, out)
 
 
 def pmean(
     x: torch.Tensor,
     axis: Axis,
     *,
-    mesh: Any = None,
-    async_op: bool = False,
+    mesh: Mesh | None = None,
     out: torch.Tensor | None = None,
+    async_op: bool = False,
 ) -> Any:
-    """Mean of ``x`` over the ranks along ``axis`` (floating dtypes);
-    ``out`` as for :func:`psum`.
+    """Mean of ``x`` over the ranks along ``axis`` (floating dtypes).
+    ``out``/``async_op``: the return rule (``out=x`` in place).
 
     >>> import torch, shardax as sx
     >>> sx.collectives.pmean(torch.tensor([2.0]), "dp", mesh=sx.Mesh({"dp": 1}))
     tensor([2.])
     """
-    return _run_out(x, AllReduce(_group(axis, mesh, "pmean"), "mean", out), async_op)
+    return _call(x, AllReduce(_group(axis, mesh, "pmean"), "mean", out=out), async_op, out)
 
 
-def _run_out(
+def pmax(
     x: torch.Tensor,
-    op: AllReduce | AllGather | ReduceScatter,
-    async_op: bool,
-    result: torch.Tensor | None = None,
+    axis: Axis,
+    *,
+    mesh: Mesh | None = None,
+    out: torch.Tensor | None = None,
+    async_op: bool = False,
 ) -> Any:
-    """``_run``, or — with ``op.out`` — the op outside autograd, returning
-    ``op.out`` (``result`` instead when given: ``op.out`` is a view of it)."""
-    if op.out is None:
-        return _run(x, op, async_op)
-    handle = op.start(x)
-    if result is not None:
-        handle = _Returning(handle, result)
-    return handle if async_op else handle.wait()
-
-
-class _Returning:
-    """A handle whose ``wait()`` finishes ``handle`` and returns ``value``."""
-
-    __slots__ = ("_handle", "_value")
-
-    def __init__(self, handle: Handle, value: torch.Tensor) -> None:
-        self._handle, self._value = handle, value
-
-    def wait(self) -> torch.Tensor:
-        self._handle.wait()
-        return self._value
-
-
-class _Extremum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, reduce: str) -> torch.Tensor:
-        y = AllReduce(group, reduce).run(x)
-        ctx.group = group
-        ctx.save_for_backward(x, y)
-        return x.view_as(x) if y is x else y
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        x, y = ctx.saved_tensors
-        hit = (x == y).to(g.dtype)
-        total = AllReduce(ctx.group, "sum").run(g)
-        count = AllReduce(ctx.group, "sum").run(hit)
-        return total * hit / count, None, None
-
-
-def pmax(x: torch.Tensor, axis: Axis, *, mesh: Any = None) -> torch.Tensor:
     """Elementwise maximum over the ranks along ``axis``. Its gradient goes to
     the ranks holding the maximum (split evenly between ties).
+    ``out``/``async_op``: the return rule (``out=x`` in place).
 
     >>> import torch, shardax as sx
     >>> sx.collectives.pmax(torch.tensor([3, 1]), "dp", mesh=sx.Mesh({"dp": 1}))
     tensor([3, 1])
     """
-    return _Extremum.apply(x, _group(axis, mesh, "pmax"), "max")
+    op = AllReduce(_group(axis, mesh, "pmax"), "max", out=out)
+    return _call(x, op, async_op, out, grad=_Extremum)
 
 
-def pmin(x: torch.Tensor, axis: Axis, *, mesh: Any = None) -> torch.Tensor:
-    """Elementwise minimum over the ranks along ``axis`` (gradient as :func:`pmax`).
+def pmin(
+    x: torch.Tensor,
+    axis: Axis,
+    *,
+    mesh: Mesh | None = None,
+    out: torch.Tensor | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Elementwise minimum over the ranks along ``axis`` (gradient as
+    :func:`pmax`). ``out``/``async_op``: the return rule (``out=x`` in place).
 
     >>> import torch, shardax as sx
     >>> sx.collectives.pmin(torch.tensor([3, 1]), "dp", mesh=sx.Mesh({"dp": 1}))
     tensor([3, 1])
     """
-    return _Extremum.apply(x, _group(axis, mesh, "pmin"), "min")
+    op = AllReduce(_group(axis, mesh, "pmin"), "min", out=out)
+    return _call(x, op, async_op, out, grad=_Extremum)
 
 
 # -- layout-changing collectives ------------------------------------------------
@@ -277,9 +303,9 @@ def all_gather(
     *,
     tiled: bool = True,
     sizes: Sequence[int] | None = None,
-    mesh: Any = None,
-    async_op: bool = False,
+    mesh: Mesh | None = None,
     out: torch.Tensor | None = None,
+    async_op: bool = False,
 ) -> Any:
     """Concatenate the pieces of the ranks along ``axis`` on ``dim`` (in
     member order); with ``tiled=False``, stack them on a new dim ``dim``.
@@ -292,11 +318,10 @@ def all_gather(
     psum_scatter (ZeRO-3 gathers parameters so, and scatters their gradients
     back: Rajbhandari et al., 2020).
 
-    ``out``: a contiguous tensor of the result's shape and ``x``'s dtype,
-    sharing no memory with ``x``, to gather into instead of a new one (a
-    reused parameter buffer). With even pieces on dim 0 (or after dims of
-    size 1) the backend writes straight into it; otherwise the pieces go
-    through a buffer first. Not differentiable.
+    ``out``/``async_op``: the return rule (:mod:`shardax.collectives`) —
+    ``out`` a reused parameter buffer, say. With even pieces on dim 0 (or
+    after dims of size 1) the backend writes straight into it; otherwise
+    the pieces go through a buffer first.
 
     >>> import torch, shardax as sx
     >>> with sx.Mesh({"dp": 1}):
@@ -323,7 +348,7 @@ def all_gather(
         raise CollectiveError(
             f"all_gather over {group.label}: {len(sizes)} sizes for {group.size} members"
         )
-    return _run_out(x, AllGather(group, dim, tuple(sizes), out=out), async_op)
+    return _call(x, AllGather(group, dim, tuple(sizes), out=out), async_op, out)
 
 
 def psum_scatter(
@@ -332,20 +357,19 @@ def psum_scatter(
     dim: int = 0,
     *,
     tiled: bool = True,
-    mesh: Any = None,
-    async_op: bool = False,
+    mesh: Mesh | None = None,
     out: torch.Tensor | None = None,
+    async_op: bool = False,
 ) -> Any:
     """Sum over the ranks along ``axis`` and keep this rank's piece of ``dim``
     (torch.chunk pieces: later ranks may get less, or nothing). With
     ``tiled=False`` ``dim`` must have one entry per rank and is removed.
     Backward: all_gather. ZeRO-2/3 reduce gradients so (Rajbhandari et al., 2020).
 
-    ``out``: a contiguous tensor of this rank's piece's shape and ``x``'s
-    dtype, sharing no memory with ``x``, to write the piece into instead of
-    a new one (a reused gradient shard). When the piece is a longest one on
-    dim 0 (or after dims of size 1) the backend writes straight into it;
-    otherwise through a buffer first. Not differentiable.
+    ``out``/``async_op``: the return rule (:mod:`shardax.collectives`) —
+    ``out`` of this rank's piece's shape (a reused gradient shard, say).
+    When the piece is a longest one on dim 0 (or after dims of size 1) the
+    backend writes straight into it; otherwise through a buffer first.
 
     >>> import torch, shardax as sx
     >>> sx.collectives.psum_scatter(torch.arange(4.0), "dp", mesh=sx.Mesh({"dp": 1}))
@@ -356,30 +380,20 @@ def psum_scatter(
     """
     group = _group(axis, mesh, "psum_scatter")
     dim = _dim(x, dim, "psum_scatter")
-    if not tiled:
-        if x.size(dim) != group.size:
-            raise CollectiveError(
-                f"psum_scatter(tiled=False) over {group.label}: dim {dim} of shape {tuple(x.shape)} "
-                f"must have one entry per rank ({group.size})"
-            )
-        sizes = (1,) * group.size
-        if out is not None:  # checked as the result (dim removed), run as the piece (dim kept)
-            shape = x.shape[:dim] + x.shape[dim + 1 :]
-            _check_out("psum_scatter", group, x, out, shape)
-            op = ReduceScatter(group, dim, sizes, out=out.unsqueeze(dim))
-            return _run_out(x, op, async_op, result=out)
-        result = _run(x, ReduceScatter(group, dim, sizes), async_op)
-        return _Squeezed(result, dim) if async_op else result.squeeze(dim)
-    op = ReduceScatter(group, dim, chunk_sizes(x.size(dim), group.size), out=out)
-    return _run_out(x, op, async_op)
-
-
-class _Squeezed:
-    def __init__(self, inner: AsyncResult, dim: int) -> None:
-        self._inner, self._dim = inner, dim
-
-    def wait(self) -> torch.Tensor:
-        return self._inner.wait().squeeze(self._dim)
+    if tiled:
+        op = ReduceScatter(group, dim, chunk_sizes(x.size(dim), group.size), out=out)
+        return _call(x, op, async_op, out)
+    if x.size(dim) != group.size:
+        raise CollectiveError(
+            f"psum_scatter(tiled=False) over {group.label}: dim {dim} of shape {tuple(x.shape)} "
+            f"must have one entry per rank ({group.size})"
+        )
+    piece = None
+    if out is not None:  # checked as the result (dim removed), written as the piece (dim kept)
+        _check_out("psum_scatter", group, x, out, x.shape[:dim] + x.shape[dim + 1 :])
+        piece = out.unsqueeze(dim)
+    op = ReduceScatter(group, dim, (1,) * group.size, out=piece)
+    return _call(x, op, async_op, out, then=lambda y: y.squeeze(dim))
 
 
 def all_to_all(
@@ -389,14 +403,16 @@ def all_to_all(
     concat_dim: int,
     *,
     concat_sizes: Sequence[int] | None = None,
-    mesh: Any = None,
+    mesh: Mesh | None = None,
+    out: torch.Tensor | None = None,
     async_op: bool = False,
 ) -> Any:
     """Split ``split_dim`` into torch.chunk pieces, one per rank along
     ``axis``, send piece ``j`` to rank ``j`` and concatenate what arrives along
     ``concat_dim``. Ranks may hold different lengths of ``concat_dim``: they
     are exchanged first unless ``concat_sizes`` gives them. Backward: the
-    all_to_all back.
+    all_to_all back. ``out``/``async_op``: the return rule
+    (:mod:`shardax.collectives`); the pieces are concatenated into ``out``.
 
     >>> import torch, shardax as sx
     >>> sx.collectives.all_to_all(torch.ones(2, 3), "dp", 0, 1, mesh=sx.Mesh({"dp": 1})).shape
@@ -409,14 +425,9 @@ def all_to_all(
             concat_sizes = _exchange(x, concat_dim, group, "all_to_all")
         else:
             concat_sizes = (x.size(concat_dim),)
-    op = AllToAll(
-        group,
-        split_dim,
-        concat_dim,
-        chunk_sizes(x.size(split_dim), group.size),
-        tuple(concat_sizes),
-    )
-    return _run(x, op, async_op)
+    split_sizes = chunk_sizes(x.size(split_dim), group.size)
+    op = AllToAll(group, split_dim, concat_dim, split_sizes, tuple(concat_sizes), out=out)
+    return _call(x, op, async_op, out)
 
 
 def ppermute(
@@ -424,12 +435,15 @@ def ppermute(
     axis: Axis,
     perm: Sequence[tuple[int, int]],
     *,
-    mesh: Any = None,
+    mesh: Mesh | None = None,
+    out: torch.Tensor | None = None,
     async_op: bool = False,
 ) -> Any:
     """Send ``x`` from index ``src`` to index ``dst`` along ``axis`` for each
     ``(src, dst)`` in ``perm``; ranks that receive nothing get zeros.
-    Backward: the inverse permutation.
+    Backward: the inverse permutation. ``out``/``async_op``: the return rule
+    (:mod:`shardax.collectives`); ``out`` receives (it cannot be ``x``,
+    which is sent meanwhile).
 
     >>> import torch, shardax as sx
     >>> sx.collectives.ppermute(torch.ones(2), "pp", [(0, 0)], mesh=sx.Mesh({"pp": 1}))
@@ -437,15 +451,22 @@ def ppermute(
     """
     group = _group(axis, mesh, "ppermute")
     pairs = tuple((int(s), int(d)) for s, d in perm)
-    return _run(x, Permute(group, pairs), async_op)
+    return _call(x, Permute(group, pairs, out=out), async_op, out)
 
 
 def broadcast(
-    x: torch.Tensor, axis: Axis, *, src: int = 0, mesh: Any = None, async_op: bool = False
+    x: torch.Tensor,
+    axis: Axis,
+    *,
+    src: int = 0,
+    mesh: Mesh | None = None,
+    out: torch.Tensor | None = None,
+    async_op: bool = False,
 ) -> Any:
     """Every rank along ``axis`` gets the tensor of the rank at index ``src``
     (all ranks pass a tensor of the same shape and dtype). Backward: the sum
-    of the cotangents, on ``src``.
+    of the cotangents, on ``src``. ``out``/``async_op``: the return rule
+    (:mod:`shardax.collectives`; ``out=x`` in place).
 
     >>> import torch, shardax as sx
     >>> sx.collectives.broadcast(torch.ones(2), "dp", mesh=sx.Mesh({"dp": 1}))
@@ -456,7 +477,7 @@ def broadcast(
         raise CollectiveError(
             f"broadcast over {group.label}: src {src} is not in 0..{group.size - 1}"
         )
-    return _run(x, Broadcast(group, src), async_op)
+    return _call(x, Broadcast(group, src, out=out), async_op, out)
 
 
 class _CountOnce(torch.autograd.Function):
@@ -470,7 +491,9 @@ class _CountOnce(torch.autograd.Function):
         return _Collective.apply(g, Mask(ctx.group), None), None
 
 
-def count_once(x: torch.Tensor, axis: Axis | None = None, *, mesh: Any = None) -> torch.Tensor:
+def count_once(
+    x: torch.Tensor, axis: Axis | None = None, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Declare that ``x`` is identical on every rank along ``axis`` (all axes
     when None), so that its gradient is counted once, not once per rank.
 
@@ -495,7 +518,7 @@ def count_once(x: torch.Tensor, axis: Axis | None = None, *, mesh: Any = None) -
 # -- indices and synchronization -----------------------------------------------
 
 
-def axis_index(axis: Axis, *, mesh: Any = None) -> int:
+def axis_index(axis: Axis, *, mesh: Mesh | None = None) -> int:
     """This rank's index along ``axis`` (a tuple: mixed radix, first major).
 
     >>> import shardax as sx
@@ -506,7 +529,7 @@ def axis_index(axis: Axis, *, mesh: Any = None) -> int:
     return m.axis_index(axis)
 
 
-def axis_size(axis: Axis, *, mesh: Any = None) -> int:
+def axis_size(axis: Axis, *, mesh: Mesh | None = None) -> int:
     """Number of ranks along ``axis``.
 
     >>> import shardax as sx
@@ -516,14 +539,12 @@ def axis_size(axis: Axis, *, mesh: Any = None) -> int:
     return _resolve_mesh(mesh, "axis_size").size(axis)
 
 
-def barrier(axis: Axis | None = None, *, mesh: Any = None) -> None:
+def barrier(axis: Axis | None = None, *, mesh: Mesh | None = None) -> None:
     """Wait until every rank along ``axis`` (all axes when None) arrives.
 
     >>> import shardax as sx
     >>> sx.collectives.barrier(mesh=sx.Mesh({"dp": 1}))
     """
-    from ._backend import start
-
     group = _group(axis, mesh, "barrier")
     if group.size > 1:
         start(group, "barrier", lambda b: b.barrier(group), lambda: None).wait()

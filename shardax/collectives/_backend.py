@@ -3,6 +3,12 @@
 A backend moves bytes; shapes, uneven sizes, padding and autograd live in
 ``_ops``. Every backend passes the same conformance suite
 (:mod:`shardax.collectives.conformance`).
+
+Each process group a mesh makes gets its :class:`Comm` here — the backend
+chosen for it, whether its collectives check their signatures, how many
+have been issued on it — through :func:`setup_group`, which the mesh calls
+as it makes the group (:class:`~shardax.mesh._groups.GroupSetup`): the
+mesh below knows nothing of backends.
 """
 
 from __future__ import annotations
@@ -12,13 +18,18 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from ..errors import CollectiveError
-from ._agree import Call, describe, moving_now, signature
-from ._group import Group, translate_error
+from ..mesh._groups import Group, PGState, set_group_setup
+from ._agree import Call, checks_enabled, describe, moving_now, signature
+from ._failures import translate_error
 from ._traffic import counting, timed
 
-__all__ = ["Backend", "Handle", "Pending", "backend_names", "get_backend"]
+__all__ = [
+    "Backend", "Comm", "Handle", "Pending", "backend_names", "comm_of", "get_backend",
+    "setup_group", "start",
+]  # fmt: skip
 
 
 class Pending:
@@ -45,6 +56,17 @@ class Backend(Protocol):
     a :class:`Pending`."""
 
     name: str
+
+    def attach(self, state: PGState, store: Any) -> None:
+        """Set up this backend's side of a process group the mesh has just
+        made (the shm backend maps the group's segment). Called on every
+        member, in step (:func:`setup_group`), so it may be collective
+        among the group's members through the torch.distributed ``store``."""
+        ...
+
+    def describe(self, group: Group) -> str:
+        """How collectives on ``group`` run here, in words."""
+        ...
 
     def all_reduce(self, x: torch.Tensor, op: str, group: Group) -> Pending:
         """In place: ``x`` ← reduction (``"sum"``, ``"max"``, ``"min"``) over members."""
@@ -107,7 +129,10 @@ class Backend(Protocol):
 
 
 class Handle:
-    """A collective in flight. ``wait()`` finishes it and returns its result.
+    """A collective in flight. ``wait()`` finishes it and returns its result
+    (once; later calls return the same). What every collective returns with
+    ``async_op=True`` (the return rule: :mod:`shardax.collectives._api`),
+    and what an op's ``start`` returns.
 
     Errors (including timeouts) surface from ``wait()`` as
     :class:`~shardax.errors.CollectiveError` naming the op, the axes and the
@@ -132,8 +157,13 @@ class Handle:
     @classmethod
     def ready(cls, value: Any) -> Handle:
         """A handle whose result is already known (local work, size-1 groups)."""
-        h = cls(None, "", 0, None, lambda: value)
-        return h
+        return cls(None, "", 0, None, lambda: value)
+
+    @classmethod
+    def later(cls, finish: Callable[[], Any]) -> Handle:
+        """A handle whose ``wait()`` returns ``finish()`` (which waits for
+        the work it depends on: another handle's ``wait()``)."""
+        return cls(None, "", 0, None, finish)
 
     def wait(self) -> Any:
         if not self._done:
@@ -168,24 +198,67 @@ def start(
     collectives (:mod:`._agree`), the call is first recorded and its
     signature agreed across the group; ``shape`` (the user's tensor shape)
     only serves the messages."""
-    state = group.state
-    assert state is not None, "size-1 groups never reach a backend"
-    seq = state.seq
-    state.seq += 1
+    comm = comm_of(group)
+    seq = comm.seq
+    comm.seq += 1
     try:
-        if state.check:
+        if comm.check:
             call = describe(launch)
             if call.call != "send_recv":  # point to point: not every member takes part
                 sig = signature(group, op, seq, call, shape)
-                backend = counting(state.backend, group, op)
-                pending = state.backend.agreed(sig, call, group, lambda: launch(backend))
+                backend = counting(comm.backend, group, op)
+                pending = comm.backend.agreed(sig, call, group, lambda: launch(backend))
                 return Handle(group, _label(op), seq, pending, timed(finish, group, op))
-        pending = launch(counting(state.backend, group, op))
+        pending = launch(counting(comm.backend, group, op))
     except CollectiveError:
         raise
     except Exception as err:
         raise translate_error(group, _label(op), seq, err) from err
     return Handle(group, _label(op), seq, pending, timed(finish, group, op))
+
+
+class Comm:
+    """What the collectives layer keeps for one process group (its
+    ``PGState.comm``, on every member): the backend, chosen once when the
+    group is made; whether its collectives check their signatures first
+    (:mod:`._agree`); and how many collectives have been issued on it —
+    every rank issues the same ones in the same order, so the count names a
+    collective across ranks, and on a timeout tells which ranks reached it."""
+
+    __slots__ = ("backend", "check", "seq")
+
+    def __init__(self, backend: Backend, check: bool) -> None:
+        self.backend = backend
+        self.check = check
+        self.seq = 0
+
+
+def setup_group(state: PGState) -> Comm:
+    """The collectives layer's side of a process group the mesh has just made
+    (the mesh calls it, on every member, in step: :func:`set_group_setup`):
+    its backend (``SHARDAX_BACKEND``, read now — fixed for the group's
+    life), whether to check signatures (``SHARDAX_CHECK_COLLECTIVES``, on
+    the group's transport), and the backend's own setup (:meth:`Backend.attach`)."""
+    backend = get_backend()
+    transport = str(dist.get_backend(state.pg)) if backend.name == "torch" else backend.name
+    comm = Comm(backend, checks_enabled(transport))
+    backend.attach(state, dist.distributed_c10d._get_default_store())
+    return comm
+
+
+set_group_setup(setup_group)
+
+
+def comm_of(group: Group) -> Comm:
+    """The :class:`Comm` of ``group``'s process group (groups of more than one
+    member only: a size-1 group never reaches a backend)."""
+    comm = None if group.state is None else group.state.comm
+    if not isinstance(comm, Comm):
+        raise CollectiveError(
+            f"{group!r} has no collective backend: its process group was made without "
+            "shardax.collectives' setup (a group of one member, or one made by hand)"
+        )
+    return comm
 
 
 def _label(op: str) -> str:

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from ..errors import CollectiveError
+from ..mesh._groups import Group, PGState
 from ._agree import Call, agree
 from ._backend import Pending
-from ._group import Group
 
 __all__ = ["CupyBackend", "cupy_available", "exchange_unique_id", "id_bytes", "id_tuple"]
 
@@ -117,6 +117,9 @@ class CupyBackend:
         self.store = store
         self.comms: dict[tuple[int, ...], Any] = {}
         self.made = itertools.count()  # every member makes its communicators in one order
+
+    def attach(self, state: PGState, store: Any) -> None:
+        """Nothing yet: a group's communicator is made on its first collective."""
 
     def describe(self, group: Group) -> str:
         return f"NCCL (CuPy) over ranks {group.members}"

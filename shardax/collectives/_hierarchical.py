@@ -18,8 +18,8 @@ from typing import Any
 import attrs
 import torch
 
+from ..mesh._groups import Group, PGState
 from ._backend import Pending
-from ._group import Group, PGState
 
 __all__ = ["Hierarchy", "hierarchy"]
 
@@ -49,9 +49,7 @@ class Hierarchy:
         return f"hierarchical: shm within each node, the torch backend across {sizes}"
 
 
-def hierarchy(
-    ranks: Sequence[int], nodes: Sequence[str], me: int, state: PGState, backend: Any
-) -> Hierarchy:
+def hierarchy(ranks: Sequence[int], nodes: Sequence[str], me: int, state: PGState) -> Hierarchy:
     """The hierarchy of the group of ``ranks`` (sorted global ranks; member
     ``i`` on node ``nodes[i]``) for global rank ``me``."""
     order = list(dict.fromkeys(nodes))  # nodes by their lowest rank
@@ -62,7 +60,7 @@ def hierarchy(
     local_ranks = tuple(r for r, n in zip(ranks, nodes, strict=True) if n == mine)
     local = None
     if len(local_ranks) > 1:
-        local_state = PGState(None, local_ranks, state.timeout, backend)
+        local_state = PGState(None, local_ranks, state.timeout)
         label = f"the members on this node of a group of ranks {tuple(ranks)}"
         local = Group(local_ranks, me, local_state, label)
     return Hierarchy(local, leaders, local_ranks[0], len(order))

@@ -46,8 +46,8 @@ import attrs
 import torch
 
 from ..errors import CollectiveError
-from ._backend import Handle, start
-from ._group import Group
+from ..mesh._groups import Group
+from ._backend import Handle, comm_of, start
 
 __all__ = [
     "AllGather",
@@ -144,13 +144,17 @@ def _check_out(
     out: torch.Tensor,
     shape: Sequence[int] | None = None,
 ) -> None:
-    """``out`` can take ``what``'s result of ``x`` in place of a new tensor.
+    """``out`` can take ``what``'s result of ``x`` in place of a new tensor,
+    else a :class:`CollectiveError` naming the op, the axes and the shape,
+    dtype and device the result needs.
 
-    ``shape``: the result's (``x``'s when None: then ``out=x`` is in place;
-    otherwise ``out`` may share no memory with ``x``, which the op still
-    reads while it writes).
+    ``shape``: the result's; None for an op whose result is shaped like
+    ``x`` and that reads ``x`` before it writes — then ``out=x`` works in
+    place. Otherwise ``out`` may share no memory with ``x``, which the op
+    still reads while it writes ``out``.
     """
     want = tuple(x.shape) if shape is None else tuple(shape)
+    in_place = shape is None
     problem = None
     if tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device:
         problem = (
@@ -158,13 +162,16 @@ def _check_out(
             f"{want} on {x.device}; they must match (x.new_empty({want}) makes one)"
         )
     elif not out.is_contiguous():
-        problem = "out is not contiguous"
+        problem = (
+            f"out ({tuple(out.shape)}, strides {out.stride()}) is not contiguous; pass a "
+            f"contiguous tensor of the result's shape {want} (x.new_empty({want}) makes one)"
+        )
     elif torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
         problem = "out= is not differentiable: x (or out) requires grad; drop out= under autograd"
-    elif _shares_memory(out, x) and (shape is not None or out is not x):
+    elif _shares_memory(out, x) and not (in_place and out is x):
         problem = (
             "out shares memory with x without being x; pass out=x for in place"
-            if shape is None
+            if in_place
             else f"out shares memory with x, which {what} reads while it writes out; pass a "
             "separate buffer"
         )
@@ -286,18 +293,24 @@ class AllToAll(Op):
     concat_dim: int
     split_sizes: tuple[int, ...]
     concat_sizes: tuple[int, ...]
+    out: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
     name: ClassVar[str] = "all_to_all"
 
     def start(self, x: torch.Tensor) -> Handle:
-        g, n = self.group, self.group.size
+        g, n, dest = self.group, self.group.size, self.out
         if self.split_dim == self.concat_dim:
             raise CollectiveError(
                 f"all_to_all over {g.label}: split_dim and concat_dim must differ (both {self.split_dim})"
             )
         _check_len("all_to_all", g, x, self.split_dim, sum(self.split_sizes))
         _check_len("all_to_all", g, x, self.concat_dim, self.concat_sizes[g.index])
+        if dest is not None:
+            shape = list(x.shape)
+            shape[self.split_dim] = self.split_sizes[g.index]
+            shape[self.concat_dim] = sum(self.concat_sizes)
+            _check_out("all_to_all", g, x, dest, shape)
         if n == 1:
-            return Handle.ready(x)
+            return Handle.ready(x if dest is None else dest.copy_(x))
         # Split dim first: the pieces are contiguous runs of one buffer (no copy
         # at all when split_dim is 0 and x is contiguous).
         xs = x.detach().movedim(self.split_dim, 0)
@@ -314,9 +327,13 @@ class AllToAll(Op):
         def finish() -> torch.Tensor:
             if math.prod([mine, *rest[:cd]]) == 1:  # the pieces already lie in concat order
                 whole = [mine, *rest[:cd], sum(self.concat_sizes), *rest[cd + 1 :]]
-                return out.view(whole).movedim(0, self.split_dim)
+                result = out.view(whole).movedim(0, self.split_dim)
+                return result if dest is None else dest.copy_(result)
             parts = torch.split(out, out_splits)
             blocks = [p.view(s) for p, s in zip(parts, shapes, strict=True)]
+            if dest is not None:  # concatenated straight into it
+                torch.cat(blocks, dim=1 + cd, out=dest.movedim(self.split_dim, 0))
+                return dest
             return torch.cat(blocks, dim=1 + cd).movedim(0, self.split_dim)
 
         return start(
@@ -327,9 +344,11 @@ class AllToAll(Op):
 @attrs.frozen
 class Permute(Op):
     """Member ``src`` sends to member ``dst`` for each ``(src, dst)`` pair;
-    members that receive nothing get zeros."""
+    members that receive nothing get zeros. With ``out``, received into
+    ``out``."""
 
     perm: tuple[tuple[int, int], ...]
+    out: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
     name: ClassVar[str] = "ppermute"
 
     def __attrs_post_init__(self) -> None:
@@ -344,16 +363,24 @@ class Permute(Op):
             )
 
     def start(self, x: torch.Tensor) -> Handle:
-        g = self.group
+        g, dest = self.group, self.out
         me = g.index
-        out = torch.zeros_like(x.detach(), memory_format=torch.contiguous_format)
+        if dest is not None:  # it receives while x is sent: not x, even at one member
+            _check_out("ppermute", g, x, dest, tuple(x.shape))
+        if dest is None:
+            out = torch.empty_like(x.detach(), memory_format=torch.contiguous_format)
+        else:
+            out = dest
+        source = next((s for s, d in self.perm if d == me), None)  # the whole of out, or none
+        if source is None:
+            out.zero_()
+        elif source == me:
+            out.copy_(x.detach())
         sends = [(d, x.detach().contiguous()) for s, d in self.perm if s == me and d != me]
         recvs = [(s, out) for s, d in self.perm if d == me and s != me]
-        if (me, me) in self.perm:
-            out.copy_(x.detach())
         if not sends and not recvs:
             if g.state is not None:
-                g.state.seq += 1  # keep collective numbers in step across the group
+                comm_of(g).seq += 1  # keep collective numbers in step across the group
             return Handle.ready(out)
         return start(g, "ppermute", lambda b: b.send_recv(sends, recvs, g), lambda: out)
 
@@ -363,15 +390,22 @@ class Broadcast(Op):
     """Every member gets member ``root``'s tensor."""
 
     root: int = 0
+    out: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
     name: ClassVar[str] = "broadcast"
 
     def start(self, x: torch.Tensor) -> Handle:
-        if self.group.size == 1:
-            return Handle.ready(x)
-        buf = x.detach().clone(memory_format=torch.contiguous_format)
-        return start(
-            self.group, "broadcast", lambda b: b.broadcast(buf, self.root, self.group), lambda: buf
-        )
+        g, dest = self.group, self.out
+        if dest is not None:
+            _check_out("broadcast", g, x, dest)  # out=x: in place
+        if g.size == 1:
+            return Handle.ready(x if dest is None or dest is x else dest.copy_(x))
+        if dest is None:
+            buf = torch.empty_like(x.detach(), memory_format=torch.contiguous_format)
+        else:
+            buf = dest
+        if g.index == self.root and buf is not x:  # the others' buffers are only written
+            buf.copy_(x.detach())
+        return start(g, "broadcast", lambda b: b.broadcast(buf, self.root, g), lambda: buf)
 
 
 @attrs.frozen

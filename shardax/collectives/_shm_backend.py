@@ -62,10 +62,10 @@ from typing import Any
 
 import torch
 
+from ..mesh._groups import Group, PGState
 from . import _hierarchical
 from ._agree import AGREED, WIDTH, moving_now, settle_splits, verify
 from ._backend import Pending
-from ._group import Group
 
 __all__ = ["ShmBackend", "node_id", "shm_available"]
 
@@ -320,9 +320,10 @@ class ShmBackend:
 
     # -- setup (collective among the group's members) --------------------------
 
-    def attach(self, state: Any, store: Any) -> None:
+    def attach(self, state: PGState, store: Any) -> None:
         """Map the segment of the group ``state`` (every member calls this
-        when the group is made). A group spanning nodes reduces
+        when the mesh makes the group, in step: :func:`._backend.setup_group`).
+        A group spanning nodes reduces
         hierarchically (:mod:`._hierarchical`: a segment among the members
         on each node, the fallback between one leader per node) and sends
         everything else through the fallback; a segment that cannot be made
@@ -340,7 +341,7 @@ class ShmBackend:
         # the latest attach decides where they live (SHARDAX_NODE_ID can move
         # ranks between "nodes" within a process).
         if len(set(nodes)) > 1:
-            hier = _hierarchical.hierarchy(ranks, nodes, me_global, state, self)
+            hier = _hierarchical.hierarchy(ranks, nodes, me_global, state)
             if hier.local is not None:  # the members on this node map their own segment
                 self._map(tuple(hier.local.state.ranks), store)  # type: ignore[union-attr]
             self.hierarchies[ranks] = hier

@@ -12,13 +12,14 @@ order) is handled here by permuting chunks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..mesh._groups import Group, PGState
 from ._agree import Call, agree
 from ._backend import Pending
-from ._group import Group
 
 __all__ = ["TORCH_BACKEND", "TorchBackend"]
 
@@ -39,6 +40,20 @@ class TorchBackend:
     """Collectives through ``torch.distributed`` process groups."""
 
     name = "torch"
+
+    def attach(self, state: PGState, store: Any) -> None:
+        """Nothing to set up: the mesh's process group is the transport."""
+
+    def describe(self, group: Group) -> str:
+        """How collectives on ``group`` run here, in words.
+
+        >>> import shardax as sx
+        >>> TORCH_BACKEND.describe(sx.Mesh({"x": 1}).group("x"))
+        'local (one member)'
+        """
+        if group.state is None:
+            return "local (one member)"
+        return f"torch.distributed ({_backend_name(group)}) over ranks {group.members}"
 
     def all_reduce(self, x: torch.Tensor, op: str, group: Group) -> Pending:
         work = dist.all_reduce(x, op=_REDUCE_OPS[op], group=group.pg, async_op=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._group import Group
+from ..mesh._groups import Group
 
 __all__ = ["Traffic", "counting", "timed", "traffic"]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -314,6 +315,62 @@ def check_async(c: _Ctx) -> None:
         _check(f"async grads {c.tag}", x_async.grad, _np(x_sync.grad), c.dtype)
 
 
+def _every_op(c: _Ctx) -> list[tuple[str, tuple[int, ...], Callable[..., Any]]]:
+    """Every collective that returns a tensor, as ``(name, input shape,
+    call(x, **return_keywords))``, with uneven pieces where the op has pieces."""
+    n, axes, kw = c.n, c.axes, {"mesh": c.mesh}
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    ops: list[tuple[str, tuple[int, ...], Callable[..., Any]]] = [
+        ("psum", (3, 2), lambda x, **k: C.psum(x, axes, **kw, **k)),
+        ("pmax", (3, 2), lambda x, **k: C.pmax(x, axes, **kw, **k)),
+        ("pmin", (3, 2), lambda x, **k: C.pmin(x, axes, **kw, **k)),
+        ("all_gather", (2, 3), lambda x, **k: C.all_gather(x, axes, 1, **kw, **k)),
+        ("all_gather untiled", (2, 3),
+         lambda x, **k: C.all_gather(x, axes, 1, tiled=False, **kw, **k)),
+        ("psum_scatter", (2 * n + 1, 2), lambda x, **k: C.psum_scatter(x, axes, 0, **kw, **k)),
+        ("psum_scatter untiled", (3, n),
+         lambda x, **k: C.psum_scatter(x, axes, 1, tiled=False, **kw, **k)),
+        ("all_to_all", (n + 1, 2, 3), lambda x, **k: C.all_to_all(x, axes, 0, 2, **kw, **k)),
+        ("ppermute", (2, 3), lambda x, **k: C.ppermute(x, axes, ring, **kw, **k)),
+        ("ppermute to one", (2, 3), lambda x, **k: C.ppermute(x, axes, [(0, n - 1)], **kw, **k)),
+        ("broadcast", (2, 3), lambda x, **k: C.broadcast(x, axes, src=n - 1, **kw, **k)),
+    ]  # fmt: skip
+    if _floating(c.dtype):
+        ops.append(("pmean", (2, 3), lambda x, **k: C.pmean(x, axes, **kw, **k)))
+    return ops
+
+
+_IN_PLACE = ("psum", "pmean", "pmax", "pmin", "broadcast")
+
+
+def check_out_and_async(c: _Ctx) -> None:
+    """The one return rule, on every op: ``out=`` (written and returned),
+    ``async_op=True`` (a Handle whose ``wait()`` returns the result) and both
+    give exactly the plain call's result — the same backend call on the same
+    data, only landing elsewhere, so bit for bit; ``out=x`` works in place
+    where the rule allows it."""
+    for name, shape, fn in _every_op(c):
+        x = c.value(c.me, shape)
+        plain = fn(x)
+        out = torch.full_like(plain, 7, memory_format=torch.contiguous_format)
+        pending = fn(x, async_op=True)
+        into = torch.full_like(out, 7)
+        both = fn(x, out=into, async_op=True)
+        results = {"out=": (fn(x, out=out), out)}
+        if not isinstance(pending, C.Handle) or not isinstance(both, C.Handle):
+            raise AssertionError(f"{name} async_op=True {c.tag}: {pending!r}, {both!r}")
+        results["async_op"] = (pending.wait(), None)
+        results["out= and async_op"] = (both.wait(), into)
+        if name in _IN_PLACE:
+            y = x.clone()
+            results["out=x"] = (fn(y, out=y), y)
+        for how, (got, buf) in results.items():
+            if buf is not None and got is not buf:
+                raise AssertionError(f"{name} {how} {c.tag}: returned another tensor than out")
+            if got.dtype != plain.dtype or not torch.equal(got, plain):
+                raise AssertionError(f"{name} {how} {c.tag}: got\n{got}\nexpected\n{plain}")
+
+
 def check_strided(c: _Ctx) -> None:
     """Non-contiguous 3-D inputs, negative dims, and empty pieces."""
     lengths = [m % 3 for m in range(c.n)]  # some members hold nothing
@@ -366,6 +423,7 @@ CHECKS: dict[str, Callable[[_Ctx], None]] = {
     "ppermute": check_ppermute,
     "broadcast": check_broadcast,
     "async": check_async,
+    "out_and_async": check_out_and_async,
     "strided": check_strided,
     "axis_index_and_barrier": check_axis_index_and_barrier,
 }

@@ -1,5 +1,14 @@
-"""Process groups for mesh axes: created collectively on first use, cached per
-job, shared by every mesh that views the same ranks."""
+"""Process groups for mesh axes: the ranks along some axes as one rank sees
+them (:class:`Group`), the torch process group that connects them
+(:class:`PGState`) — created collectively when a :class:`~shardax.mesh.Mesh`
+is built, cached per job, shared by every mesh that views the same ranks.
+
+The mesh knows axes, ranks and groups; what a layer above keeps per process
+group (the collectives layer: its backend, its shared-memory segment, its
+count of collectives) it attaches when the group is made, through the
+:class:`GroupSetup` it hands to :func:`set_group_setup`. The mesh imports
+nothing of it.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +16,152 @@ import itertools
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from ..collectives._agree import checks_enabled
-from ..collectives._backend import get_backend
-from ..collectives._group import Group, PGState, arrival_grace
 from ..errors import MeshError
 from ._runtime import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
     from ._mesh import Mesh
 
-__all__ = ["create_groups", "default_timeout", "group_along"]
+__all__ = [
+    "Group",
+    "GroupSetup",
+    "PGState",
+    "arrival_grace",
+    "create_groups",
+    "default_timeout",
+    "forget_groups",
+    "group_along",
+    "set_group_setup",
+]
+
+
+def arrival_grace(timeout: float) -> float:
+    """Seconds of a collective's ``timeout`` kept for naming the ranks that
+    did not arrive (through the store) once the transport gave up.
+
+    >>> arrival_grace(2.0), arrival_grace(600.0)
+    (0.4, 5.0)
+    """
+    return min(5.0, 0.2 * timeout)
+
+
+class PGState:
+    """One torch process group of a mesh: its ranks, its timeout, and what
+    the layer above attached to it when it was made (``comm``: the
+    collectives layer's state for this group; None until then).
+
+    Every member of the group holds one, made at the same point of the same
+    mesh build, so a layer above can keep per-group state in step across
+    ranks (a count of the collectives issued on it names a collective on
+    every rank).
+    """
+
+    __slots__ = ("comm", "pg", "ranks", "timeout")
+
+    def __init__(self, pg: Any, ranks: tuple[int, ...], timeout: float, comm: Any = None) -> None:
+        self.pg = pg
+        self.ranks = ranks  # sorted global ranks: torch's group rank order
+        self.timeout = timeout
+        self.comm = comm
+
+    @property
+    def wait(self) -> float:
+        """How long the transport waits before it gives up: the timeout less
+        the :func:`arrival_grace` spent finding out who did not arrive, so
+        that the error comes within the timeout."""
+        return self.timeout - arrival_grace(self.timeout)
+
+
+class Group:
+    """The ranks of one mesh-axis group, in member order, as seen by one rank.
+
+    ``members[i]`` is the global rank of member ``i`` (mixed radix over the
+    axes, first axis major); ``index`` is this rank's member index. A group of
+    one member has no process group: every collective on it is local.
+    """
+
+    __slots__ = ("_torch_ranks", "axes", "index", "label", "members", "rank", "state")
+
+    def __init__(
+        self,
+        members: tuple[int, ...],
+        rank: int,
+        state: PGState | None,
+        label: str,
+        axes: tuple[str, ...] = (),
+    ) -> None:
+        self.axes = axes
+        self.members = members
+        self.rank = rank
+        self.index = members.index(rank)
+        self.state = state
+        self.label = label
+        if state is None:
+            self._torch_ranks: tuple[int, ...] | None = None
+        else:
+            order = tuple(state.ranks.index(r) for r in members)
+            self._torch_ranks = None if order == tuple(range(len(members))) else order
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def pg(self) -> Any:
+        return None if self.state is None else self.state.pg
+
+    @property
+    def in_torch_order(self) -> bool:
+        """Whether member ``i`` is torch group rank ``i`` (true unless the axes
+        were named out of mesh order)."""
+        return self._torch_ranks is None
+
+    def torch_rank(self, member: int) -> int:
+        """Torch's group rank of member ``member``."""
+        return member if self._torch_ranks is None else self._torch_ranks[member]
+
+    def member_of_torch_rank(self, group_rank: int) -> int:
+        return group_rank if self._torch_ranks is None else self._torch_ranks.index(group_rank)
+
+    def __repr__(self) -> str:
+        return f"<Group {self.label} members={self.members} index={self.index}>"
+
+
+class GroupSetup(Protocol):
+    """What a layer above the mesh does with each process group the mesh
+    makes: ``setup(state)`` returns what it keeps for the group (stored as
+    ``state.comm``).
+
+    It is called right after the group is made, on every rank, in the same
+    order (the order every rank builds its meshes in, which
+    :func:`create_groups` checks), so a setup that is itself collective —
+    mapping a shared-memory segment among the group's members — runs in step
+    on all of them and cannot deadlock; and never inside a collective, where
+    rank-local control flow could skip it.
+    """
+
+    def __call__(self, state: PGState) -> Any: ...
+
+
+_SETUP: list[GroupSetup] = []  # the one setup (the collectives layer's), once it is imported
+
+
+def set_group_setup(setup: GroupSetup) -> None:
+    """Have ``setup`` attach its state to every process group made from now
+    on (the collectives layer does, when it is imported: ``import shardax``
+    wires the layers so). A second, different setup is an error: groups
+    are shared by every mesh, so one layer owns what hangs on them."""
+    if _SETUP and _SETUP[0] is not setup:
+        raise MeshError(
+            f"process groups already get their state from {_SETUP[0]!r}; cannot also use {setup!r}"
+        )
+    _SETUP[:] = [setup]
+
 
 # Keyed by the job's default process group, so a new job (init after
 # shutdown) starts with an empty cache. Values: partition key -> PGState, and
@@ -60,14 +200,15 @@ def create_groups(mesh: Mesh) -> None:
     """Create the process groups of every set of ``mesh``'s axes that has more
     than one rank: collectively (every rank calls this, for the same meshes,
     in the same order — building a Mesh does), in a fixed order, once per job
-    (meshes viewing the same ranks share them). Afterwards no collective ever
-    creates a group, so rank-local control flow cannot deadlock group creation.
+    (meshes viewing the same ranks share them), each set up by the
+    :class:`GroupSetup` of :func:`set_group_setup` as soon as it is made.
+    Afterwards no collective ever creates a group, so rank-local control
+    flow cannot deadlock group creation.
     """
     if not dist.is_initialized() or mesh.world_size == 1:
         return
     cache = _CACHE.setdefault(dist.group.WORLD, {})
     timeout = mesh.timeout if mesh.timeout is not None else default_timeout()
-    backend = get_backend()
     names = [a for a, n in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if n > 1]
     combos = [c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
     if any(_partition_key(mesh, axes) not in cache for axes in combos):
@@ -93,11 +234,10 @@ def create_groups(mesh: Mesh) -> None:
                 ) from err
             if block == mine:
                 pg = made
-        transport = str(dist.get_backend(pg)) if backend.name == "torch" else backend.name
-        cache[key] = PGState(pg, mine, timeout, backend, checks_enabled(transport))
-        attach = getattr(backend, "attach", None)
-        if attach is not None:  # the shm backend maps the group's segment
-            attach(cache[key], dist.distributed_c10d._get_default_store())
+        state = PGState(pg, mine, timeout)
+        for setup in _SETUP:  # in step on every rank: see GroupSetup
+            state.comm = setup(state)
+        cache[key] = state
 
 
 def _everyone_builds(mesh: Mesh, build: int, timeout: float) -> None:

@@ -10,16 +10,14 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 
 from ..errors import MeshError
 from . import _context
-
-if TYPE_CHECKING:
-    from ..collectives._group import Group
+from ._groups import Group, create_groups, group_along
 
 __all__ = ["AbstractMesh", "Mesh", "current_mesh", "normalize_axes"]
 
@@ -253,8 +251,6 @@ class Mesh(AbstractMesh):
         if timeout is not None and not timeout > 0:
             raise MeshError(f"timeout must be positive seconds; got {timeout!r}")
         self.__attrs_init__(names, sizes, timeout, rank)
-        from ._groups import create_groups
-
         create_groups(self)
 
     def axis_index(self, axes: str | Iterable[str], rank: int | None = None) -> int:  # type: ignore[override]
@@ -273,8 +269,6 @@ class Mesh(AbstractMesh):
     def group(self, axes: str | Iterable[str]) -> Group:
         """The collective group of this rank along ``axes`` (member order:
         mixed radix over ``axes``, first axis major). Local: no communication."""
-        from ._groups import group_along
-
         return group_along(self, self.check_axes(axes))
 
     def __enter__(self) -> Mesh:

@@ -14,7 +14,7 @@ from _dist import run_ranks
 import shardax as sx
 from shardax import CollectiveError, CollectiveTimeoutError
 from shardax import collectives as C
-from shardax.collectives._group import arrival_grace
+from shardax.mesh._groups import arrival_grace
 
 
 def test_collectives_need_a_mesh():

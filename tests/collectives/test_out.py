@@ -19,6 +19,7 @@ from _dist import run_ranks
 import shardax as sx
 from shardax import collectives as C
 from shardax.collectives import chunk_sizes
+from shardax.collectives._backend import comm_of
 
 
 def _sums(backend: str, timeout: float) -> list:
@@ -131,7 +132,7 @@ def _into_buffers(backend: str, timeout: float, nodes: bool) -> list:
                 first, second = _data(shape, dtype, 10 * rank), _data(shape, dtype, 3 - rank)
                 want = [op(first, "x", mesh=mesh, **kw), op(second, "x", mesh=mesh, **kw)]
                 out = torch.full_like(want[0], 7, memory_format=torch.contiguous_format)
-                with _outputs_seen(mesh.group("x").state.backend) as seen:
+                with _outputs_seen(comm_of(mesh.group("x")).backend) as seen:
                     same = op(first, "x", mesh=mesh, out=out, **kw)
                     ok = same is out and torch.equal(out, want[0])
                     again = op(second, "x", mesh=mesh, out=out, **kw)  # reused
@@ -143,7 +144,7 @@ def _into_buffers(backend: str, timeout: float, nodes: bool) -> list:
                 ok = ok and later is fresh and torch.equal(fresh, want[0])
                 results.append((f"{label} {dtype}", ok))
         if nodes:
-            how = mesh.group("x").state.backend.describe(mesh.group("x"))
+            how = comm_of(mesh.group("x")).backend.describe(mesh.group("x"))
             results.append((f"hierarchical, not {how!r}", "hierarchical" in how))
         return results
     finally:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shardax.collectives._cupy_backend import CupyBackend, cupy_available
-from shardax.collectives._group import Group, PGState
 from shardax.collectives._torch_backend import TORCH_BACKEND
+from shardax.mesh._groups import Group, PGState
 
 OK, WHY = cupy_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"no CuPy NCCL here: {WHY}")

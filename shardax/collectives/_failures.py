@@ -1,117 +1,17 @@
-"""A collective group: the ranks along some mesh axes, the process group that
-connects them, and the bookkeeping that turns a hang into a clear error."""
+"""A collective that failed, as a typed error: the op, the axes, the ranks,
+and — on a timeout, or a peer that closed its connection — which ranks did
+not arrive and where they wait instead (found through the store)."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 from ..errors import CollectiveError, CollectiveTimeoutError
+from ..mesh._groups import Group, arrival_grace
+from ..mesh._runtime import _default_store
 
-__all__ = ["Group", "PGState", "arrival_grace"]
-
-
-class PGState:
-    """One torch process group and the number of collectives issued on it.
-
-    Every rank of an SPMD program issues the same collectives on a group in the
-    same order, so the count names a collective across ranks; on a timeout it
-    tells which ranks reached it.
-    """
-
-    __slots__ = ("backend", "check", "pg", "ranks", "seq", "timeout")
-
-    @property
-    def wait(self) -> float:
-        """How long the transport waits before it gives up: the timeout less
-        the :func:`arrival_grace` spent finding out who did not arrive, so
-        that the error comes within the timeout."""
-        return self.timeout - arrival_grace(self.timeout)
-
-    def __init__(
-        self, pg: Any, ranks: tuple[int, ...], timeout: float, backend: Any, check: bool = True
-    ) -> None:
-        self.pg = pg
-        self.ranks = ranks  # sorted global ranks: torch's group rank order
-        self.timeout = timeout
-        self.backend = backend  # chosen once, when the group is made
-        self.check = check  # collectives compare their signatures first (``_agree``)
-        self.seq = 0
-
-
-class Group:
-    """The ranks of one mesh-axis group, in member order, as seen by one rank.
-
-    ``members[i]`` is the global rank of member ``i`` (mixed radix over the
-    axes, first axis major); ``index`` is this rank's member index. A group of
-    one member has no process group: every collective on it is local.
-    """
-
-    __slots__ = ("_torch_ranks", "axes", "index", "label", "members", "rank", "state")
-
-    def __init__(
-        self,
-        members: tuple[int, ...],
-        rank: int,
-        state: PGState | None,
-        label: str,
-        axes: tuple[str, ...] = (),
-    ) -> None:
-        self.axes = axes
-        self.members = members
-        self.rank = rank
-        self.index = members.index(rank)
-        self.state = state
-        self.label = label
-        if state is None:
-            self._torch_ranks: tuple[int, ...] | None = None
-        else:
-            order = tuple(state.ranks.index(r) for r in members)
-            self._torch_ranks = None if order == tuple(range(len(members))) else order
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def pg(self) -> Any:
-        return None if self.state is None else self.state.pg
-
-    @property
-    def in_torch_order(self) -> bool:
-        """Whether member ``i`` is torch group rank ``i`` (true unless the axes
-        were named out of mesh order)."""
-        return self._torch_ranks is None
-
-    def torch_rank(self, member: int) -> int:
-        """Torch's group rank of member ``member``."""
-        return member if self._torch_ranks is None else self._torch_ranks[member]
-
-    def member_of_torch_rank(self, group_rank: int) -> int:
-        return group_rank if self._torch_ranks is None else self._torch_ranks.index(group_rank)
-
-    def __repr__(self) -> str:
-        return f"<Group {self.label} members={self.members} index={self.index}>"
-
-
-def arrival_grace(timeout: float) -> float:
-    """Seconds of a collective's ``timeout`` kept for naming the ranks that
-    did not arrive (through the store) once the transport gave up.
-
-    >>> arrival_grace(2.0), arrival_grace(600.0)
-    (0.4, 5.0)
-    """
-    return min(5.0, 0.2 * timeout)
-
-
-def _store() -> Any:
-    try:
-        from torch.distributed import distributed_c10d
-
-        return distributed_c10d._get_default_store()
-    except Exception:
-        return None
+__all__ = ["translate_error"]
 
 
 def _is_timeout(err: BaseException) -> bool:
@@ -178,7 +78,7 @@ def _timeout_error(
 def _who_arrived(
     group: Group, op: str, seq: int, grace: float
 ) -> tuple[list[int], list[int], list[tuple[int, str]]]:
-    store = _store()
+    store = _default_store()
     if store is None or group.state is None:
         return [], [], []
     tag = f"shardax/timeout/{'-'.join(map(str, group.state.ranks))}/{seq}"
