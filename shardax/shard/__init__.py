@@ -20,6 +20,8 @@ from ._explain import Explanation as Explanation
 from ._explain import explain as explain
 from ._grad import value_and_grad as value_and_grad
 from ._layout import Layout as Layout
+from ._matching import Rule as Rule
+from ._matching import Rules as Rules
 from ._modules import ModuleRule as ModuleRule
 from ._modules import Relayout as Relayout
 from ._params import init_params as init_params
@@ -31,8 +33,6 @@ from ._plan import Plan as Plan
 from ._plan import Step as Step
 from ._plan import plan_transfer as plan_transfer
 from ._random import manual_seed as manual_seed
-from ._matching import Rule as Rule
-from ._matching import Rules as Rules
 from ._sharded import Sharded as Sharded
 from ._spec import Blocks as Blocks
 from ._spec import NamedSharding as NamedSharding

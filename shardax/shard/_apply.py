@@ -24,12 +24,14 @@ from torch import nn
 
 from ..collectives._agree import moving
 from ..errors import ShardingError
-from ._fused import Gathered, start_gather
+from ._grad import current_tape
+from ._layout import Layout
+from ._matching import as_rules
 from ._modules import install
 from ._placement import role_layout
-from ._matching import as_rules
+from ._regather import Regather
 from ._sharded import Sharded
-from ._transfer import transfer
+from ._transfer import Batch, transfer, transfer_many
 
 __all__ = ["apply"]
 
@@ -127,39 +129,54 @@ def _moved(unit: _Unit) -> str:
     return f"{shown} (gathered for {unit.path or 'the model'})"
 
 
-class _Run:
-    """One call of :func:`apply`: gathers, prefetches, releases, and (under a
-    tape) saves gathered tensors as tokens and routes their gradients."""
+def _items(unit: _Unit) -> list[tuple[Sharded, Layout]]:
+    """A unit's Sharded parameters, each with the layout it computes in."""
+    return [(x, role_layout(x, "compute")) for _, x, _ in unit.slots if isinstance(x, Sharded)]
 
-    def __init__(self, units: list[_Unit], tape: Any, prefetch: bool) -> None:
-        self.units, self.tape, self.prefetch = units, tape, prefetch
-        self.differentiable = tape is None and torch.is_grad_enabled()
-        self.pending: dict[int, Gathered] = {}
-        self.live: dict[int, Gathered] = {}
-        self.saved: dict[int, tuple[int, int]] = {}  # storage ptr -> (unit, base)
+
+class _Run:
+    """One call of :func:`apply`'s forward: each unit's parameters relaid
+    to their compute layouts when the unit starts (the next unit's gather
+    started meanwhile, with ``prefetch``), put in its modules, and put back
+    when it ends.
+
+    How they are relaid depends on who differentiates. Under
+    :func:`shardax.value_and_grad`, gathers are not differentiable: each
+    parameter goes in through ``lift`` (which routes its gradient to the
+    tape) and the gathered buffers are held by ``regather`` while the unit
+    runs (backward gathers them again). Under plain autograd, each parameter
+    is moved by the differentiable :func:`transfer` instead; without grad,
+    gathered as under ``value_and_grad``, with nothing kept for backward.
+    """
+
+    def __init__(
+        self,
+        units: list[_Unit],
+        prefetch: bool,
+        lift: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        regather: Regather | None = None,
+    ) -> None:
+        self.units, self.prefetch, self.lift, self.regather = units, prefetch, lift, regather
+        self.differentiable = lift is None and torch.is_grad_enabled()
+        self.pending: dict[int, Batch] = {}
         self.originals: dict[tuple[int, str], Any] = {}
 
-    def _items(self, unit: _Unit) -> list[tuple[Any, Any]]:
-        return [(x, role_layout(x, "compute")) for _, x, _ in unit.slots if isinstance(x, Sharded)]
-
-    def _start(self, unit: _Unit) -> Gathered:
+    def _start(self, unit: _Unit) -> Batch:
         if unit.index not in self.pending:
             with moving(_moved(unit)):
-                self.pending[unit.index] = start_gather(self._items(unit))
+                self.pending[unit.index] = transfer_many(_items(unit))
         return self.pending[unit.index]
 
     def enter(self, unit: _Unit) -> None:
         if self.differentiable:
             with moving(_moved(unit)):
-                values = [transfer(x, layout).local for x, layout in self._items(unit)]
+                values = [transfer(x, layout).local for x, layout in _items(unit)]
         else:
             gathered = self._start(unit)
             self.pending.pop(unit.index, None)
             values = gathered.wait()
-            self.live[unit.index] = gathered
-            for j, base in enumerate(gathered.bases):
-                if base.numel():
-                    self.saved[base.untyped_storage().data_ptr()] = (unit.index, j)
+            if self.regather is not None:
+                self.regather.hold(unit.index, gathered)
         if self.prefetch and not self.differentiable and unit.index + 1 < len(self.units):
             self._start(self.units[unit.index + 1])
         it = iter(values)
@@ -167,8 +184,8 @@ class _Run:
             value = next(it) if isinstance(x, Sharded) else x
             if not any(is_param for _, _, is_param in where):
                 value = value.detach()  # a buffer: never trained, its gradient None
-            elif self.tape is not None:
-                value = self.tape.lift(x, value)
+            elif self.lift is not None:
+                value = self.lift(x, value)
             for module, name, is_param in where:
                 table = module._parameters if is_param else module._buffers
                 self.originals.setdefault((id(module), name), (table, name, table[name]))
@@ -179,10 +196,8 @@ class _Run:
             for module, name, _ in where:
                 table, _, original = self.originals.pop((id(module), name))
                 table[name] = original
-        gathered = self.live.pop(unit.index, None)
-        if gathered is not None:
-            for base in gathered.bases:
-                self.saved.pop(base.untyped_storage().data_ptr(), None)
+        if self.regather is not None:
+            self.regather.release(unit.index)
 
     def close(self) -> None:
         for table, name, original in self.originals.values():
@@ -191,17 +206,6 @@ class _Run:
         for gathered in self.pending.values():
             gathered.wait()  # every rank started it: finish it, then drop it
         self.pending.clear()
-
-    # -- saved tensors ---------------------------------------------------------
-
-    def pack(self, t: torch.Tensor) -> Any:
-        where = self.saved.get(t.untyped_storage().data_ptr()) if t.numel() else None
-        if where is None:
-            return t
-        return self.tape.token(self, where, t)
-
-    def regather(self, unit_index: int) -> Gathered:
-        return start_gather(self._items(self.units[unit_index]))
 
 
 def apply(
@@ -260,10 +264,13 @@ def apply(
         raise ShardingError(
             "apply takes params as a dict keyed by parameter path (as shardax.params_of returns)"
         )
-    from ._grad import current_tape
-
     tape = current_tape()
-    run = _Run(_plan(model, params, units), tape, prefetch)
+    plan = _plan(model, params, units)
+    regather = None
+    if tape is not None:  # backward gathers again what autograd saves of the gathers
+        regather = Regather(lambda i: transfer_many(_items(plan[i])), prefetch)
+        tape.defer(regather.close)
+    run = _Run(plan, prefetch, tape.lift if tape is not None else None, regather)
     hooks = []
     mesh = next((x.mesh for x in params.values() if isinstance(x, Sharded)), None)
     bound = None
@@ -280,8 +287,8 @@ def apply(
             hooks.append(unit.module.register_forward_pre_hook(_pre(run, unit)))
             hooks.append(unit.module.register_forward_hook(_post(run, unit), always_call=True))
         run.enter(run.units[0])
-        if tape is not None:
-            with torch.autograd.graph.saved_tensors_hooks(run.pack, tape.unpack):
+        if regather is not None:
+            with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
                 out = model(*args, **kwargs)
         else:
             out = model(*args, **kwargs)

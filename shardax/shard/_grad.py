@@ -25,10 +25,9 @@ import torch
 from .._timing import phase
 from .._tree import flatten_with_paths
 from ..errors import ShardingError
-from ._fused import Gathered, Reducer
 from ._placement import role_layout
 from ._sharded import Sharded
-from ._transfer import transfer
+from ._transfer import Reducer, transfer
 
 __all__ = ["current_tape", "value_and_grad"]
 
@@ -76,17 +75,26 @@ class _Slot:
 
 
 class Tape:
-    """What one :func:`value_and_grad` call tracks: its parameters, the
-    gathered tensors saved for backward, and the gradient reducer."""
+    """What one :func:`value_and_grad` call records for the code it runs.
 
-    def __init__(self, bucket_bytes: int) -> None:
+    It tracks the parameters: :meth:`track` makes each a fresh leaf that
+    requires grad, and gives each ``Sharded`` one a slot, where its
+    gradient contributions arrive (from :func:`apply`, through
+    :meth:`lift`) and are summed once ``reducer`` has reduced them to the
+    grads layout. And it keeps what must finish before the gradients are
+    read (:meth:`defer`). It moves no data itself: the reducer runs the
+    reductions, and :func:`apply` the gathers (forward and backward).
+    """
+
+    def __init__(self, reducer: Reducer) -> None:
         self.anchor = torch.zeros((), requires_grad=True)
-        self.reducer = Reducer(bucket_bytes)
+        self.reducer = reducer
         self.slots: dict[int, _Slot] = {}
-        self.tokens: dict[tuple[int, int], int] = {}
-        self.regathered: dict[tuple[int, int], Gathered] = {}
+        self._deferred: list[Callable[[], None]] = []
 
     def track(self, tree: Any) -> tuple[Any, list[tuple[str, Any, Any]]]:
+        """``tree`` with its floating leaves made fresh leaves that require
+        grad, and ``(path, leaf, tracked leaf or None)`` for each leaf."""
         paths, leaves, spec = flatten_with_paths(
             tree, is_leaf=lambda x: isinstance(x, Sharded), none_is_leaf=True
         )
@@ -115,40 +123,16 @@ class Tape:
             return x if isinstance(x, torch.Tensor) else value
         return _Lift.apply(self.anchor, value, slot.sink)
 
-    # -- saved tensors ---------------------------------------------------------
-
-    def token(self, run: Any, where: tuple[int, int], t: torch.Tensor) -> Any:
-        key = (id(run), where[0])
-        self.tokens[key] = self.tokens.get(key, 0) + 1
-        return (run, where, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        run, (unit, base), size, stride, offset = packed
-        key = (id(run), unit)
-        gathered = self.regathered.get(key)
-        if gathered is None:
-            gathered = self.regathered[key] = run.regather(unit)
-        gathered.wait()
-        if run.prefetch:
-            self._prefetch(run, unit - 1)
-        left = self.tokens.get(key, 1) - 1
-        self.tokens[key] = left
-        t = gathered.bases[base].as_strided(size, stride, offset)
-        if left <= 0:
-            self.regathered.pop(key, None)
-        return t
-
-    def _prefetch(self, run: Any, unit: int) -> None:
-        key = (id(run), unit)
-        if unit >= 0 and self.tokens.get(key, 0) > 0 and key not in self.regathered:
-            self.regathered[key] = run.regather(unit)
+    def defer(self, done: Callable[[], None]) -> None:
+        """Call ``done`` when backward is over, before the last reductions
+        finish (work that every rank started, such as regathers)."""
+        self._deferred.append(done)
 
     def finish(self) -> None:
-        for gathered in self.regathered.values():
-            gathered.wait()
-        self.regathered.clear()
+        """Run what was deferred, then finish the reductions."""
+        deferred, self._deferred = self._deferred, []
+        for done in deferred:
+            done()
         self.reducer.finish()
 
 
@@ -193,7 +177,7 @@ def value_and_grad(
                 f"value_and_grad: argnums={argnums} but the function got {len(args)} positional "
                 "arguments; pass the parameters positionally"
             )
-        tape = Tape(bucket_bytes)
+        tape = Tape(Reducer(bucket_bytes))
         traced, tracked = tape.track(args[argnums])
         new_args = (*args[:argnums], traced, *args[argnums + 1 :])
         meshes = {x.mesh for _, x, _ in tracked if isinstance(x, Sharded)}

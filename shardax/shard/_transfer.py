@@ -1,8 +1,26 @@
-"""``transfer``: run a plan's collectives on a Sharded value, differentiably."""
+"""The one executor: plans (:func:`~shardax.shard._plan.plan_transfer`)
+compiled to this rank's ops and run.
+
+- :func:`program` compiles the plan between two layouts for a global shape
+  into a :class:`Program`, once per (layouts, shape, job).
+- :func:`transfer` runs one leaf's program, differentiably.
+- :func:`transfer_many` runs many leaves' programs at once (not
+  differentiable): the programs that come down to one all_gather travel
+  together, one collective per group and dtype — a module's parameters
+  under ZeRO-3.
+- :class:`Reducer` is the same for gradient contributions, which arrive one
+  by one during backward: programs that come down to one psum_scatter or
+  psum go in size-capped buckets, each started as soon as it fills.
+
+Whatever does not fuse runs its program on its own (:meth:`Program.run`, the
+one place a plan runs); how the fused collectives pack their tensors is
+:mod:`._packing`.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -25,12 +43,24 @@ from ..collectives._ops import (
 from ..errors import ShardingError
 from ..mesh._mesh import Mesh
 from ._layout import Layout, as_layout
+from ._packing import (
+    Sink,
+    direct,
+    start_all_gather,
+    start_all_gather_direct,
+    start_psum,
+    start_psum_scatter,
+    start_psum_scatter_direct,
+)
 from ._plan import Step, legs, plan_transfer
 from ._redistribute import Redistribute
 from ._sharded import Sharded
 from ._spec import piece_sizes
 
-__all__ = ["transfer"]
+__all__ = ["Batch", "Program", "Reducer", "program", "transfer", "transfer_many"]
+
+
+# -- compiling a plan ---------------------------------------------------------------
 
 
 def _op(step: Step, before: Layout, after: Layout, shape: tuple[int, ...]) -> Op:
@@ -77,10 +107,42 @@ class View(Op):
 register_transpose(View, lambda op: View(op.group, op.after, op.before))
 
 
+@attrs.frozen
+class Program:
+    """A plan compiled for this rank: ``ops``, the ops that move data, in
+    order (an op over one rank moves nothing and is left out).
+
+    ``collective`` is set where those ops are one collective, alone or
+    between the free reshapes into and out of a blocked dim's expanded view
+    — what a batched transfer fuses with other leaves'. It then runs on the
+    input reshaped to ``view_in`` (when set) and its result, of shape
+    ``view_out`` (when set), is reshaped to ``out_shape``, this rank's local
+    shape in the target layout.
+    """
+
+    ops: tuple[Op, ...]
+    out_shape: tuple[int, ...]
+    collective: Op | None = None
+    view_in: tuple[int, ...] | None = None
+    view_out: tuple[int, ...] | None = None
+
+    @property
+    def collective_shape(self) -> tuple[int, ...]:
+        """The shape ``collective`` gives: ``view_out``, else ``out_shape``."""
+        return self.view_out if self.view_out is not None else self.out_shape
+
+    def run(self, t: torch.Tensor, *, differentiable: bool = False) -> torch.Tensor:
+        """The plan run on this rank's tensor ``t``, op by op; with
+        ``differentiable``, backward runs the transposed ops."""
+        for op in self.ops:
+            t = apply_op(t, op) if differentiable else op.run(t)
+        return t
+
+
 @functools.lru_cache(maxsize=1024)
-def _compile(src: Layout, dst: Layout, shape: tuple[int, ...], job: Any) -> tuple[Op, ...]:
-    """The ops of the plan from ``src`` to ``dst``, built once per (layouts,
-    shape, job): a transfer repeated every step (a ZeRO-3 gather, say) neither
+def _compile(src: Layout, dst: Layout, shape: tuple[int, ...], job: Any) -> Program:
+    """The program from ``src`` to ``dst``, built once per (layouts, shape,
+    job): a transfer repeated every step (a ZeRO-3 gather, say) neither
     replans nor rebuilds its ops. Blocked dims are moved in their expanded
     view (:func:`~shardax.shard._plan.legs`), with a local reshape into it
     and out of it around each leg."""
@@ -97,7 +159,22 @@ def _compile(src: Layout, dst: Layout, shape: tuple[int, ...], job: Any) -> tupl
             back = View(group, b_x.local_shape(view, rank), b.local_shape(shape, rank))
             leg = [into, *leg, back]
         ops += leg
-    return tuple(ops)
+    moving = tuple(op for op in ops if op.group.size > 1)
+    out_shape = dst.local_shape(shape, dst.mesh.rank)  # type: ignore[attr-defined]
+    # The views split off: one collective between them fuses like any other
+    # (a view is a free reshape of the same bytes).
+    pre = moving[0] if moving and isinstance(moving[0], View) else None
+    post = moving[-1] if len(moving) > 1 and isinstance(moving[-1], View) else None
+    core = moving[pre is not None : len(moving) - (post is not None)]
+    if len(core) != 1:
+        return Program(moving, out_shape)
+    return Program(
+        moving,
+        out_shape,
+        core[0],
+        pre.after if pre is not None else None,
+        post.before if post is not None else None,
+    )
 
 
 def _job(src: Layout, dst: Layout) -> Any:
@@ -105,6 +182,15 @@ def _job(src: Layout, dst: Layout) -> Any:
     (new after a re-init) and the meshes' timeouts (which pick the groups)."""
     world = dist.group.WORLD if dist.is_initialized() else None
     return (world, src.mesh.timeout, dst.mesh.timeout)  # type: ignore[attr-defined]
+
+
+def program(src: Layout, dst: Layout, shape: tuple[int, ...]) -> Program:
+    """The compiled plan from ``src`` to ``dst`` for a tensor of global
+    ``shape``, on this rank (cached)."""
+    return _compile(src, dst, shape, _job(src, dst))
+
+
+# -- one leaf -----------------------------------------------------------------------
 
 
 def transfer(x: Sharded, dst: Any) -> Sharded:
@@ -133,7 +219,161 @@ def transfer(x: Sharded, dst: Any) -> Sharded:
         raise ShardingError(f"transfer needs a live Mesh for its target, got {layout.mesh!r}")
     if layout == x.layout:
         return x
-    local = x.local
-    for op in _compile(x.layout, layout, x.shape, _job(x.layout, layout)):
-        local = apply_op(local, op)
+    local = program(x.layout, layout, x.shape).run(x.local, differentiable=True)
     return Sharded(local, layout, x.shape)
+
+
+# -- many leaves --------------------------------------------------------------------
+
+
+class Batch:
+    """Transfers started together by :func:`transfer_many`. ``wait()``
+    finishes them and gives the local tensors in item order; ``bases`` are
+    the buffers the batch allocated (the tensors are views into them), in
+    an order a repeat of the same batch reproduces."""
+
+    def __init__(self, n: int) -> None:
+        self.tensors: list[torch.Tensor | None] = [None] * n
+        self.bases: list[torch.Tensor] = []
+        self._steps: list[Callable[[], None]] = []
+
+    def wait(self) -> list[torch.Tensor]:
+        steps, self._steps = self._steps, []
+        for step in steps:
+            step()
+        return self.tensors  # type: ignore[return-value]
+
+
+def transfer_many(items: Sequence[tuple[Sharded, Layout]]) -> Batch:
+    """Start moving each ``(leaf, layout)`` item's local tensor to
+    ``layout`` (not differentiable).
+
+    Programs that are one all_gather travel together, one collective per
+    group and dtype (a tensor of at least
+    :data:`~shardax.shard._packing.DIRECT_BYTES` split evenly on dim 0 in
+    one of its own, with no packing); the other programs run one by one at
+    ``wait()``; a leaf whose program moves nothing is its own local tensor.
+    """
+    batch = Batch(len(items))
+    packs: dict[tuple[int, torch.dtype], list[tuple[int, torch.Tensor, AllGather, Program]]] = {}
+    singles: list[tuple[int, torch.Tensor, Program]] = []
+    for i, (x, layout) in enumerate(items):
+        prog = program(x.layout, layout, x.shape)
+        local = x.local.detach()
+        op = prog.collective
+        if not prog.ops:
+            batch.tensors[i] = local
+        elif not isinstance(op, AllGather):
+            singles.append((i, local, prog))
+        elif direct(local if prog.view_in is None else local.reshape(prog.view_in), op):
+            full, finish = start_all_gather_direct(local, op, prog.out_shape)
+            batch.bases.append(full)
+            batch._steps.append(functools.partial(_put, batch, i, finish))
+        else:
+            packs.setdefault((id(op.group), x.dtype), []).append((i, local, op, prog))
+    for members in packs.values():
+        flat, finish = start_all_gather(
+            [(local, op, prog.collective_shape) for _, local, op, prog in members]
+        )
+        batch.bases.append(flat)
+        batch._steps.append(functools.partial(_put_all, batch, members, finish))
+    for i, local, prog in singles:
+        batch._steps.append(functools.partial(_run_single, batch, i, local, prog))
+    return batch
+
+
+def _put(batch: Batch, i: int, finish: Callable[[], torch.Tensor]) -> None:
+    """Item ``i``'s direct all_gather done: its tensor."""
+    batch.tensors[i] = finish()
+
+
+def _put_all(batch: Batch, members: list[Any], finish: Callable[[], list[torch.Tensor]]) -> None:
+    """A packed all_gather done: each member's tensor, in its local shape."""
+    for (i, _, _, prog), full in zip(members, finish(), strict=True):
+        batch.tensors[i] = full.view(prog.out_shape)
+
+
+def _run_single(batch: Batch, i: int, local: torch.Tensor, prog: Program) -> None:
+    """Item ``i``'s program, which fuses with nothing, run on its own."""
+    t = prog.run(local).contiguous()
+    batch.tensors[i] = t
+    batch.bases.append(t)
+
+
+class Reducer:
+    """Reduces gradient contributions (in a partial layout) to their target
+    layouts in buckets of about ``bucket_bytes``, each started as soon as it
+    fills, at most ``in_flight`` at a time (the oldest is finished when a new
+    one starts, so full-size gradients do not pile up); ``finish()`` starts
+    the rest, waits for all and hands each result to its ``sink``.
+
+    Programs that are one psum_scatter or psum (sum) go in buckets, one per
+    collective, group and dtype (a tensor of at least
+    :data:`~shardax.shard._packing.DIRECT_BYTES` split evenly on dim 0 in a
+    psum_scatter of its own); any other program runs when it is added.
+    """
+
+    def __init__(self, bucket_bytes: int, in_flight: int = 2) -> None:
+        self.bucket_bytes = int(bucket_bytes)
+        self.in_flight = in_flight
+        self._open: dict[tuple[str, int, torch.dtype], list[tuple[torch.Tensor, Any, Sink]]] = {}
+        self._sizes: dict[tuple[str, int, torch.dtype], int] = {}
+        self._flying: list[Callable[[], None]] = []
+
+    def add(
+        self,
+        grad: torch.Tensor,
+        src: Layout,
+        dst: Layout,
+        shape: tuple[int, ...],
+        sink: Sink,
+    ) -> None:
+        prog = program(src, dst, shape)
+        op = prog.collective
+        if not prog.ops:
+            sink(grad)
+            return
+        if not (
+            isinstance(op, ReduceScatter) or (isinstance(op, AllReduce) and op.reduce == "sum")
+        ):
+            sink(prog.run(grad))
+            return
+        if prog.view_in is not None:  # a blocked dim: reduce in its expanded view
+            grad = grad.reshape(prog.view_in)
+        if prog.view_out is not None:
+            sink = _reshaped(sink, prog.out_shape)
+        if isinstance(op, ReduceScatter) and direct(grad, op):
+            self._fly(start_psum_scatter_direct(grad, op, sink))
+            return
+        key = (type(op).__name__, id(op.group), grad.dtype)
+        self._open.setdefault(key, []).append((grad, op, sink))
+        self._sizes[key] = self._sizes.get(key, 0) + grad.numel() * grad.element_size()
+        if self._sizes[key] >= self.bucket_bytes:
+            self._launch(key)
+
+    def _launch(self, key: tuple[str, int, torch.dtype]) -> None:
+        bucket = self._open.pop(key)
+        self._sizes.pop(key)
+        if isinstance(bucket[0][1], AllReduce):
+            self._fly(start_psum(bucket))
+        else:
+            self._fly(start_psum_scatter(bucket))
+
+    def _fly(self, finish: Callable[[], None]) -> None:
+        """Keep at most ``in_flight`` reductions going: finishing the oldest
+        frees its full-size input while backward goes on."""
+        self._flying.append(finish)
+        while len(self._flying) > self.in_flight:
+            self._flying.pop(0)()
+
+    def finish(self) -> None:
+        for key in list(self._open):
+            self._launch(key)
+        flying, self._flying = self._flying, []
+        for done in flying:
+            done()
+
+
+def _reshaped(sink: Sink, shape: tuple[int, ...]) -> Sink:
+    """``sink``, given its tensor reshaped to ``shape`` (out of a view)."""
+    return lambda g: sink(g.reshape(shape))

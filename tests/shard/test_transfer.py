@@ -5,6 +5,8 @@ empty shards; between meshes; and the psum-transpose pitfall."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 import shardax as sx
 from shardax import Layout, P
 from shardax import collectives as C
+from shardax.shard._packing import DIRECT_BYTES as _DEFAULT_DIRECT
 
 SHAPES = [(4, 6), (5, 3), (1, 3)]  # even; uneven; mostly empty shards
 
@@ -77,6 +80,56 @@ def test_blocked_layouts_to_and_from_every_layout_match_dense(world_size, mesh_s
     shape stays (6, 4) throughout (blocks of 2 split over 4 ranks: uneven,
     some empty)."""
     _check_pairs(world_size, mesh_shape, (6, 4), blocked=True)
+
+
+def _batched(mesh_shape: dict, shape: tuple[int, ...], blocked: bool, direct_bytes: int) -> list:
+    """Every layout pair at once, through the batched forms: ``transfer_many``
+    (the gathers' form) and the ``Reducer`` (the reductions', with buckets
+    small enough to fill while adding), next to ``transfer`` one by one."""
+    from shardax.shard import _packing
+    from shardax.shard._transfer import Reducer, transfer_many
+
+    mesh = sx.Mesh(mesh_shape)
+    layouts = _layouts_for(mesh, shape, blocked)
+    x_dense = integer_tensor(shape, 1)
+    items = [
+        (sx.Sharded(represent(x_dense, src, mesh.rank, seed=i), src, shape), dst)
+        for i, src in enumerate(layouts)
+        for dst in layouts
+    ]
+    saved, _packing.DIRECT_BYTES = _packing.DIRECT_BYTES, direct_bytes
+    try:
+        one_by_one = [sx.transfer(x, dst).local for x, dst in items]
+        batched = transfer_many(items).wait()
+        reduced: list = [None] * len(items)
+        reducer = Reducer(bucket_bytes=64)
+        for k, (x, dst) in enumerate(items):
+            reducer.add(x.local, x.layout, dst, shape, functools.partial(reduced.__setitem__, k))
+        reducer.finish()
+    finally:
+        _packing.DIRECT_BYTES = saved
+    return [(a, b, c) for a, b, c in zip(one_by_one, batched, reduced, strict=True)]
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("direct_bytes", [_DEFAULT_DIRECT, 0], ids=["packed", "direct"])
+@pytest.mark.parametrize(
+    ("world_size", "mesh_shape", "shape", "blocked"),
+    [
+        pytest.param(2, {"x": 2, "y": 1}, (6, 4), True, id="ws2-blocked"),
+        pytest.param(4, {"x": 2, "y": 2}, (5, 3), False, id="ws4-uneven", marks=pytest.mark.slow),
+    ],
+)
+def test_batched_transfers_equal_one_by_one(world_size, mesh_shape, shape, blocked, direct_bytes):
+    """One executor: many leaves moved together — gathers fused into one
+    collective, reductions packed in buckets, large even ones direct —
+    give exactly what each leaf's own transfer gives."""
+    results = run_ranks(_batched, mesh_shape, shape, blocked, direct_bytes, world_size=world_size)
+    for rank, result in enumerate(results):
+        for k, (alone, batched, reduced) in enumerate(result):
+            msg = f"rank {rank}, pair {k}"
+            torch.testing.assert_close(batched, alone, rtol=0, atol=0, msg=msg)
+            torch.testing.assert_close(reduced, alone, rtol=0, atol=0, msg=msg)
 
 
 def _mesh_cases(a, b, c) -> list[tuple[Layout, Layout]]:
