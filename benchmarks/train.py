@@ -246,8 +246,8 @@ def _shardax_step(
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         nonlocal params, opt_state
         value, grads = grad_fn(params, {"x": x, "y": y})
-        # update and apply in one pass where the kernels cover it (ZeRO-3)
-        params, opt_state = sx.optim.step(opt, grads, opt_state, params, donate=True)
+        # update and apply in place, in one pass where the kernels cover it (ZeRO-3)
+        params, opt_state = sx.optim.fused_step(opt).step(params, grads, opt_state)
         del grads
         return value.detach()
 

@@ -15,7 +15,7 @@ are loaded and sharded, and the folder's tokenizer is used when it has one.
 
 The steps, as a user writes them: ``rules.zero(3) + rules.megatron("tp",
 names="auto")``; ``sx.shard``/``sx.init_params``; a train loop of
-``value_and_grad`` and ``optim.step`` (buffers need no handling); a sharded
+``value_and_grad`` and ``optim.fused_step`` (buffers need no handling); a sharded
 checkpoint with the model's metadata; ``ckpt.consolidate(..., hf=True)``
 into ``--out/hf``; and ``AutoModelForCausalLM.from_pretrained`` on it,
 whose logits rank 0 compares with the sharded model's.
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     for step, b in enumerate(sx.data.batches(data, sampler, num_steps=steps), 1):
         loss, grads = grad_fn(params, b)
-        params, opt_state = sx.optim.step(opt, grads, opt_state, params)
+        params, opt_state = sx.optim.fused_step(opt).step(params, grads, opt_state)
         if step == 1 or step % 10 == 0 or step == steps:
             rate = step * batch * seq_len / (time.perf_counter() - started)
             say(f"step {step:4d}  loss {float(loss):.4f}  {rate:.3g} tokens/s")

@@ -703,8 +703,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         }
                 if finite or accumulation > 1:
                     with monitor.timer("optimizer"):
-                        # update + apply, in one native pass where the optimizer has one
-                        params, opt_state = sx.optim.step(opt, grads, opt_state, params)
+                        # update + apply in place, in one native pass where the optimizer has one
+                        params, opt_state = sx.optim.fused_step(opt).step(params, grads, opt_state)
             monitor.log(loss=loss, lr=schedule(step - 1))
             if loss_scale is not None:
                 monitor.log(loss_scale=loss_scale.scale)

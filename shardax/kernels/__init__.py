@@ -12,7 +12,7 @@ error. ``shardax report`` lists each library's status.
 - ``optim``: fused optimizer steps — AdamW, Lion, Adagrad and RMSprop in one
   pass over gradient, state and parameter (writing the update, or the new
   param and its bf16/fp16 copy), every leaf of a step in one call — used by
-  :mod:`shardax.optim` for fp32 CPU state (:func:`shardax.optim.step`).
+  :mod:`shardax.optim` for fp32 CPU state (:func:`shardax.optim.fused_step`).
 - :mod:`shardax.kernels.cuda`: CUDA kernels compiled by NVRTC through CuPy
   (``pip install 'shardax[gpu]'``) on first use — fused AdamW and Lion steps
   (fp32, or fp32 master weights with their bf16/fp16 params in one pass) and

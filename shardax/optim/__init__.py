@@ -11,6 +11,15 @@ step. On ``Sharded`` leaves everything runs on local shards, with the state
 in each param's "opt_state" layout, and global statistics (norms, RMS,
 finiteness) reduced over the mesh.
 
+A step is taken one of two ways. :func:`step` is ``update`` then
+``apply_updates``: pure, new trees. :func:`fused_step` gives the one
+stepper that **donates** — it writes the params and the state in place —
+running the optimizer's native kernel in one pass over gradient, state and
+parameter where the optimizer names one (``adamw``, ``adam``, ``lion``,
+``adagrad``, ``rmsprop``, also under ``chain`` and ``with_master_weights``)
+and the kernels cover the call, else ``update`` and
+``apply_updates(donate=True)``.
+
 >>> import torch
 >>> from shardax import optim
 >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(1e-3, 10, 100)))
@@ -18,6 +27,8 @@ finiteness) reduced over the mesh.
 >>> state = opt.init(params)
 >>> updates, state = opt.update({"w": torch.ones(3)}, state, params)
 >>> params = optim.apply_updates(params, updates)
+>>> stepper = optim.fused_step(opt)                  # or, in place and in one pass:
+>>> params, state = stepper.step(params, {"w": torch.ones(3)}, state)
 """
 
 from ._accumulate import MultiSteps as MultiSteps
@@ -34,7 +45,6 @@ from ._base import EmptyState as EmptyState
 from ._base import GradientTransformation as GradientTransformation
 from ._base import apply_updates as apply_updates
 from ._base import chain as chain
-from ._base import step as step
 from ._factored import FactoredRmsState as FactoredRmsState
 from ._factored import scale_by_factored_rms as scale_by_factored_rms
 from ._global import clip_by_block_rms as clip_by_block_rms
@@ -60,6 +70,9 @@ from ._schedules import warmup_cosine as warmup_cosine
 from ._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 from ._schedules import warmup_linear_decay as warmup_linear_decay
 from ._schedules import warmup_linear_decay_schedule as warmup_linear_decay_schedule
+from ._stepper import FusedStep as FusedStep
+from ._stepper import fused_step as fused_step
+from ._stepper import step as step
 from ._transforms import ScaleByAdamState as ScaleByAdamState
 from ._transforms import ScaleByAmsgradState as ScaleByAmsgradState
 from ._transforms import ScaleByLionState as ScaleByLionState
@@ -89,6 +102,7 @@ __all__ = [
     "DynamicLossScale",
     "EmptyState",
     "FactoredRmsState",
+    "FusedStep",
     "GradientTransformation",
     "InjectHyperparamsState",
     "MaskedState",
@@ -118,6 +132,7 @@ __all__ = [
     "constant_schedule",
     "cosine",
     "cosine_decay_schedule",
+    "fused_step",
     "global_norm",
     "inject_hyperparams",
     "lamb",

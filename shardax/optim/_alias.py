@@ -5,6 +5,11 @@ Updates are what you add to the params: every optimizer ends with
 schedule (step -> value). Where an optimizer has a ``torch.optim``
 counterpart its arithmetic and defaults follow it, so the two agree step for
 step.
+
+``adam``, ``adamw``, ``lion``, ``adagrad`` and ``rmsprop`` (in their common
+forms) also name the native kernel that computes them in one pass (a
+``Kernel``, their ``fusion``, which :func:`~shardax.optim.fused_step` reads);
+their ``update`` is the chain all the same.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._base import GradientTransformation, chain
+from ._base import Fusible, GradientTransformation, Kernel, chain
 from ._factored import scale_by_factored_rms
 from ._global import clip_by_block_rms, scale_by_param_block_rms, scale_by_trust_ratio
 from ._transforms import (
@@ -35,6 +40,11 @@ LR = float | Schedule
 
 def _chain(*maybe: GradientTransformation | None) -> GradientTransformation:
     return chain(*[t for t in maybe if t is not None])
+
+
+def _fusible(reference: GradientTransformation, kernel: Kernel) -> GradientTransformation:
+    """``reference``, saying which native kernel computes it (see :func:`fused_step`)."""
+    return Fusible(reference.init, reference.update, kernel)
 
 
 def sgd(
@@ -85,8 +95,8 @@ def adam(
     >>> updates
     tensor([-0.1000,  0.1000])
 
-    Without ``amsgrad``, ``nesterov`` or ``mu_dtype``, on fp32 CPU tensors,
-    the update (and :func:`step`) is one native pass, as for :func:`adamw`.
+    Without ``amsgrad``, ``nesterov`` or ``mu_dtype``, :func:`fused_step`
+    steps fp32 CPU tensors in one native pass, as for :func:`adamw`.
     """
     reference = _chain(
         add_decayed_weights(weight_decay) if weight_decay else None,
@@ -95,9 +105,12 @@ def adam(
     )
     if amsgrad or nesterov or mu_dtype is not None:
         return reference
-    from ._fused import fused_adamw
-
-    return fused_adamw(reference, lr, b1, b2, eps, weight_decay, l2=True)
+    at = 1 if weight_decay else 0
+    return _fusible(
+        reference,
+        Kernel(name="adam_l2", lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay,
+               core=at, length=at + 2),
+    )  # fmt: skip
 
 
 def adamw(
@@ -133,26 +146,27 @@ def adamw(
     >>> updates.round(decimals=4)               # -0.1 * (sign(g) + 0.5 * 1)
     tensor([-0.1500,  0.0500])
 
-    On fp32 CPU params and state (gradients fp32, bf16 or fp16; without
-    ``mask``, ``amsgrad``, ``nesterov`` or ``mu_dtype``) the update runs as
-    one native pass over gradient, moments and parameter
-    (``kernels/csrc/optim.cpp``), agreeing with the chain of transforms above
-    to about an ulp, and :func:`step` writes the new params in that same pass
-    (as ``torch.optim.AdamW(fused=True)``); elsewhere — or without a
-    compiler, or with ``SHARDAX_NO_NATIVE=1`` — the chain itself runs. The
-    state is the chain's either way.
+    ``update`` is the chain of transforms above. Without ``mask``,
+    ``amsgrad``, ``nesterov`` or ``mu_dtype``, :func:`fused_step` steps fp32
+    CPU params and state (gradients fp32, bf16 or fp16) in one native pass
+    over gradient, moments and parameter, writing them in place
+    (``kernels/csrc/optim.cpp``, as ``torch.optim.AdamW(fused=True)``),
+    agreeing with the chain to about an ulp; elsewhere — or without a
+    compiler, or with ``SHARDAX_NO_NATIVE=1`` — the chain runs. The state is
+    the chain's either way.
     """
     reference = chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr),
-        _fresh_after_first=True,  # scale_by_adam returns new buffers: decay and scale in place
     )
     if mask is not None or amsgrad or nesterov or mu_dtype is not None:
         return reference
-    from ._fused import fused_adamw
-
-    return fused_adamw(reference, lr, b1, b2, eps, weight_decay)
+    return _fusible(
+        reference,
+        Kernel(name="adamw", lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay,
+               core=0, length=3),
+    )  # fmt: skip
 
 
 def adagrad(
@@ -172,17 +186,19 @@ def adagrad(
     >>> opt.update(torch.tensor([-4.0]), opt.init(params), params)[0]
     tensor([1.])
 
-    On fp32 CPU tensors the update (and :func:`step`) is one native pass, as
-    for :func:`adamw`.
+    :func:`fused_step` steps fp32 CPU tensors in one native pass, as for
+    :func:`adamw`.
     """
     reference = _chain(
         add_decayed_weights(weight_decay) if weight_decay else None,
         scale_by_rss(initial_accumulator_value, eps),
         scale_by_learning_rate(lr),
     )
-    from ._fused import fused_adagrad
-
-    return fused_adagrad(reference, lr, eps, weight_decay)
+    at = 1 if weight_decay else 0
+    return _fusible(
+        reference,
+        Kernel(name="adagrad", lr=lr, eps=eps, weight_decay=weight_decay, core=at, length=at + 2),
+    )
 
 
 def rmsprop(
@@ -206,8 +222,8 @@ def rmsprop(
     >>> opt.update(torch.tensor([3.0]), opt.init(params), params)[0]
     tensor([-0.0200])
 
-    Uncentered and without momentum, on fp32 CPU tensors, the update (and
-    :func:`step`) is one native pass, as for :func:`adamw`.
+    Uncentered and without momentum, :func:`fused_step` steps fp32 CPU
+    tensors in one native pass, as for :func:`adamw`.
     """
     if nesterov and not momentum:
         raise ValueError("Nesterov momentum needs momentum > 0")
@@ -219,9 +235,12 @@ def rmsprop(
     )
     if centered or momentum:
         return reference
-    from ._fused import fused_rmsprop
-
-    return fused_rmsprop(reference, lr, decay, eps, weight_decay)
+    at = 1 if weight_decay else 0
+    return _fusible(
+        reference,
+        Kernel(name="rmsprop", lr=lr, betas=(decay,), eps=eps, weight_decay=weight_decay,
+               core=at, length=at + 2),
+    )  # fmt: skip
 
 
 def lion(
@@ -244,8 +263,8 @@ def lion(
     >>> opt.update(torch.tensor([0.3, -5.0]), opt.init(params), params)[0]
     tensor([-0.1000,  0.1000])
 
-    On fp32 CPU tensors (without ``mask`` or ``mu_dtype``) the update, and
-    :func:`step`, are one native pass (``kernels/csrc/optim.cpp``), as for
+    Without ``mask`` or ``mu_dtype``, :func:`fused_step` steps fp32 CPU
+    tensors in one native pass (``kernels/csrc/optim.cpp``), as for
     :func:`adamw`.
     """
     reference = chain(
@@ -255,9 +274,10 @@ def lion(
     )
     if mask is not None or mu_dtype is not None:
         return reference
-    from ._fused import fused_lion
-
-    return fused_lion(reference, lr, b1, b2, weight_decay)
+    return _fusible(
+        reference,
+        Kernel(name="lion", lr=lr, betas=(b1, b2), weight_decay=weight_decay, core=0, length=3),
+    )
 
 
 def lamb(

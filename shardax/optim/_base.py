@@ -1,15 +1,16 @@
-"""The shape of every optimizer — ``GradientTransformation(init, update)``,
-``chain``, ``apply_updates`` — and the tree plumbing every transform shares:
-flattening, aligning ``Sharded`` leaves to the layout of the state they meet,
-and ``_foreach`` math grouped by device and dtype."""
+"""What an optimizer is — ``GradientTransformation(init, update)``, ``chain``,
+``apply_updates`` — the typed description a transformation may add for the
+fused stepper (:class:`Fusible`), and the tree plumbing every transform
+shares: flattening, aligning ``Sharded`` leaves to the layout of the state
+they meet, and ``_foreach`` math grouped by device and dtype."""
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
+import attrs
 import optree
 import torch
 
@@ -20,26 +21,33 @@ from ..shard._sharded import Sharded
 from ..shard._transfer import transfer
 
 __all__ = [
+    "ChainFusion",
     "EmptyState",
+    "Fusible",
     "GradientTransformation",
+    "Kernel",
+    "MasterFusion",
     "apply_updates",
     "chain",
-    "step",
 ]
 
 Leaf = torch.Tensor | Sharded
+Schedule = Callable[[int], float]
 
 
 class GradientTransformation(NamedTuple):
-    """An optimizer, or a piece of one: two pure functions.
+    """An optimizer, or a piece of one: two pure functions (optax's contract).
 
     ``init(params) -> state`` builds the state (a pytree of NamedTuples);
     ``update(updates, state, params=None) -> (updates, new_state)`` turns
     gradients into updates, which are what you *add* to the params
     (:func:`apply_updates`): optimizers apply the negative learning rate, as
-    in optax. Neither function mutates what it is given. Leaves are tensors or
-    :class:`~shardax.Sharded` values; a Sharded leaf's state lives in the
-    layout of its "opt_state" role (ZeRO shards it further than the params).
+    in optax. Neither function mutates what it is given: the gradients, the
+    state and the params passed in keep their values (the new state is new
+    tensors). Leaves are tensors or :class:`~shardax.Sharded` values; a
+    Sharded leaf's state lives in the layout of its "opt_state" role (ZeRO
+    shards it further than the params). For a step that writes the params
+    and the state in place, see :func:`fused_step`.
 
     >>> import torch
     >>> from shardax import optim
@@ -53,13 +61,6 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
-    step: Callable[..., tuple[Any, Any] | None] | None = None
-    """A fused update-and-apply, for optimizers that have one (see :func:`step`):
-    ``step(updates, state, params, donate=False, shadows=None) -> (new_params,
-    new_state)``, or None where it does not cover the call (the caller then
-    runs ``update`` and :func:`apply_updates`). ``shadows``, when given, are
-    low-precision buffers (one per param leaf) that also receive the new
-    params, rounded. It decides before it writes anything."""
 
 
 class EmptyState(NamedTuple):
@@ -78,21 +79,110 @@ def transformation(
     return GradientTransformation(torch.no_grad()(init), torch.no_grad()(update))
 
 
-_FRESH: contextvars.ContextVar[bool] = contextvars.ContextVar("shardax_fresh", default=False)
+# -- what the fused stepper reads ---------------------------------------------------
+
+KERNELS = ("adamw", "adam_l2", "lion", "adagrad", "rmsprop")
 
 
-def updates_are_fresh() -> bool:
-    """Whether the updates a transformation gets now are buffers nobody else
-    holds (so it may scale them in place instead of allocating new ones)."""
-    return _FRESH.get()
+@attrs.frozen(kw_only=True)
+class Kernel:
+    """The native kernel that computes an optimizer alias in one pass
+    (``kernels/csrc/optim.cpp``): which one, its hyperparameters, its
+    learning rate (a number or a schedule of the step), and where the core
+    transform's state sits in the alias's chain state — ``core`` among
+    ``length`` entries, the learning rate's state last. The fused stepper
+    reads all of it here, never by searching the state.
+
+    >>> from shardax import optim
+    >>> optim.adamw(1e-3).fusion
+    Kernel(name='adamw', lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, core=0, length=3)
+    """
+
+    name: Literal["adamw", "adam_l2", "lion", "adagrad", "rmsprop"] = attrs.field(
+        validator=attrs.validators.in_(KERNELS)
+    )
+    lr: float | Schedule = attrs.field(converter=lambda v: v if callable(v) else float(v))
+    betas: tuple[float, ...] = attrs.field(default=(), converter=lambda v: tuple(map(float, v)))
+    """Adam's and Lion's ``(b1, b2)``, RMSprop's ``(decay,)``, Adagrad's ``()``."""
+    eps: float = attrs.field(default=0.0, converter=float)
+    weight_decay: float = attrs.field(default=0.0, converter=float)
+    core: int
+    length: int = attrs.field()
+
+    @length.validator
+    def _check(self, _: Any, length: int) -> None:
+        if not 0 <= self.core < length - 1:
+            raise ValueError(
+                f"the core state's index {self.core} must come before the learning rate's "
+                f"(the last of {length})"
+            )
 
 
-def chain(
-    *transforms: GradientTransformation, _fresh_after_first: bool = False
-) -> GradientTransformation:
+@attrs.frozen
+class ChainFusion:
+    """``chain(*head, last)`` whose last transformation is :class:`Fusible`:
+    the head's updates (pure), then the last's fused step on the last entry
+    of the chain's ``length`` states."""
+
+    head: GradientTransformation
+    last: Fusible
+    length: int
+
+
+@attrs.frozen
+class MasterFusion:
+    """``with_master_weights(inner, dtype)`` of a :class:`Fusible` ``inner``:
+    the inner fused step on the master copy, the params written from it,
+    rounded, in the same pass."""
+
+    inner: Fusible
+    dtype: torch.dtype
+
+
+Fusion = Kernel | ChainFusion | MasterFusion
+
+
+class Fusible(GradientTransformation):
+    """A :class:`GradientTransformation` that also says how the fused
+    stepper (:func:`fused_step`) computes it in one pass: ``fusion``, a
+    :class:`Kernel` (the optimizer aliases), a :class:`ChainFusion`
+    (``chain`` ending in one) or a :class:`MasterFusion`
+    (``with_master_weights`` around one). ``init`` and ``update`` are the
+    pure reference, and what every other caller runs. ``_replace`` gives a
+    plain GradientTransformation: the fusion describes these two functions.
+
+    >>> from shardax import optim
+    >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.lion(1e-4))
+    >>> isinstance(opt, optim.GradientTransformation), type(opt.fusion).__name__
+    (True, 'ChainFusion')
+    """
+
+    fusion: Fusion
+
+    def __new__(
+        cls, init: Callable[[Any], Any], update: Callable[..., tuple[Any, Any]], fusion: Fusion
+    ) -> Fusible:
+        if not isinstance(fusion, Kernel | ChainFusion | MasterFusion):
+            raise TypeError(
+                f"a Fusible's fusion is a Kernel, ChainFusion or MasterFusion; got {fusion!r}"
+            )
+        self = super().__new__(cls, init, update)
+        self.fusion = fusion
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy and pickle keep the fusion
+        return (self.init, self.update, self.fusion)
+
+    @classmethod
+    def _make(cls, iterable: Any) -> GradientTransformation:  # what _replace builds
+        return GradientTransformation._make(iterable)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply transformations one after the other; the state is the tuple of
-    their states. (Aliases whose first transformation always returns new
-    buffers pass ``_fresh_after_first`` so the rest scale them in place.)
+    their states. A chain whose last transformation is :class:`Fusible`
+    (clipping, then AdamW) is too: the fused stepper runs the others'
+    updates, then the last one's fused step.
 
     Args:
         *transforms: the transformations, in the order they see the updates.
@@ -105,10 +195,10 @@ def chain(
     tensor([-0.3000, -0.4000])
     """
     for i, t in enumerate(transforms):
-        if not (callable(getattr(t, "init", None)) and callable(getattr(t, "update", None))):
+        if not isinstance(t, GradientTransformation):
             raise TypeError(
-                f"chain takes GradientTransformations (with init and update); argument {i} is "
-                f"{type(t).__name__}"
+                f"chain takes GradientTransformations (optim.adamw(...), optim.scale(...)); "
+                f"argument {i} is a {type(t).__name__}"
             )
 
     def init(params: Any) -> tuple[Any, ...]:
@@ -122,45 +212,15 @@ def chain(
                 + (f" of length {len(state)}" if isinstance(state, tuple) else "")
             )
         new_state = []
-        for i, (t, s) in enumerate(zip(transforms, state, strict=True)):
-            token = _FRESH.set(_fresh_after_first and i > 0)
-            try:
-                updates, s = t.update(updates, s, params)
-            finally:
-                _FRESH.reset(token)
+        for t, s in zip(transforms, state, strict=True):
+            updates, s = t.update(updates, s, params)
             new_state.append(s)
         return updates, tuple(new_state)
 
-    def step(
-        updates: Any, state: Any, params: Any, donate: bool = False, shadows: Any = None
-    ) -> tuple[Any, Any]:
-        # The last transformation's fused step, after the others' updates
-        # (clipping, then AdamW in one pass); where that step does not cover
-        # the call, its update and apply_updates (and the shadows filled).
-        last = transforms[-1]
-        if not isinstance(state, tuple) or len(state) != len(transforms):
-            update(updates, state, params)  # raises the clear error
-        updates, head_state = prefix.update(updates, state[:-1], params)
-        with torch.no_grad():
-            done = last.step(updates, state[-1], params, donate, shadows)
-            if done is None:
-                token = _FRESH.set(_fresh_after_first and len(transforms) > 1)
-                try:
-                    updates, last_state = last.update(updates, state[-1], params)
-                finally:
-                    _FRESH.reset(token)
-                new_params = apply_updates(params, updates, donate=donate)
-                if shadows is not None:
-                    for shadow, x in zip(shadows, Flat(new_params, "params").locals, strict=True):
-                        shadow.copy_(x)
-                done = new_params, last_state
-        return done[0], (*head_state, done[1])
-
-    fused = transforms and getattr(transforms[-1], "step", None) is not None
-    if not fused:
-        return GradientTransformation(init, update)
-    prefix = chain(*transforms[:-1], _fresh_after_first=_fresh_after_first)
-    return GradientTransformation(init, update, step)
+    if transforms and isinstance(transforms[-1], Fusible):
+        head = chain(*transforms[:-1])
+        return Fusible(init, update, ChainFusion(head, transforms[-1], len(transforms)))
+    return GradientTransformation(init, update)
 
 
 # -- leaves -------------------------------------------------------------------
@@ -420,146 +480,6 @@ def apply_updates(params: Any, updates: Any, *, donate: bool = False) -> Any:
                 new = (pl.to(wide) + ul.to(wide)).to(pl.dtype)
             out.append(p.with_local(new) if isinstance(p, Sharded) else new)
         return optree.tree_unflatten(flat.spec, out)
-
-
-def step(
-    optimizer: GradientTransformation,
-    grads: Any,
-    state: Any,
-    params: Any,
-    *,
-    donate: bool = False,
-) -> tuple[Any, Any]:
-    """One optimizer step: ``update`` then :func:`apply_updates`, returning
-    ``(new_params, new_state)`` — in one pass over params, gradients and
-    state where the optimizer has a fused kernel.
-
-    :func:`adamw`, :func:`lion`, :func:`adagrad` and :func:`rmsprop` (and
-    :func:`with_master_weights` around them) on CPU fp32 params and state,
-    laid out alike (no ZeRO, or ZeRO-3), read each element once and write the
-    new param, as ``torch.optim``'s ``fused=True`` does; with ``donate=True``
-    the params' own buffers take the new values (as in :func:`apply_updates`).
-    Everything else — other optimizers, dtypes, devices, ZeRO-1/2's
-    replicated params — runs ``update`` and :func:`apply_updates`, with the
-    same results (to about an ulp). The state passed in is consumed, as by
-    ``update``: keep the returned one.
-
-    A leaf whose gradient is None — a buffer, a parameter no gradient
-    reached (:func:`shardax.value_and_grad` gives None there, as PyTorch
-    leaves ``p.grad`` None) — is left as it is, with its optimizer state:
-    no weight decay, no momentum, as ``torch.optim`` skips it. (A shared
-    step count still advances.)
-
-    Args:
-        optimizer: a :class:`GradientTransformation`.
-        grads: the gradients (a tree like ``params``).
-        state: the optimizer state (what ``init`` or the last step returned).
-        params: the params, a pytree of tensors or Sharded values.
-        donate: write the new params into the params' buffers.
-
-    >>> import torch
-    >>> from shardax import optim
-    >>> opt = optim.adamw(0.1, weight_decay=0.0)
-    >>> params = {"w": torch.zeros(3)}
-    >>> state = opt.init(params)
-    >>> params, state = optim.step(opt, {"w": torch.tensor([1.0, -2.0, 0.0])}, state, params)
-    >>> params["w"]
-    tensor([-0.1000,  0.1000,  0.0000])
-    """
-    frozen = _gradless(grads, params)
-    if frozen:
-        return _step_keeping(optimizer, grads, state, params, donate, frozen)
-    fused = getattr(optimizer, "step", None)
-    if fused is not None:
-        done = fused(grads, state, params, donate)
-        if done is not None:
-            return done
-    updates, state = optimizer.update(grads, state, params)
-    return apply_updates(params, updates, donate=donate), state
-
-
-def _gradless(grads: Any, params: Any) -> list[int]:
-    """The indices of params' leaves whose gradient is None (none where the
-    trees do not line up: ``update`` names the difference)."""
-    if grads is None or params is None:
-        return []
-    g_leaves = optree.tree_leaves(grads, is_leaf=is_sharded, none_is_leaf=True)
-    if all(g is not None for g in g_leaves):  # every step of most models: no paths built
-        return []
-    g_paths = flatten_with_paths(grads, is_leaf=is_sharded, none_is_leaf=True)[0]
-    if g_paths != flatten_with_paths(params, is_leaf=is_sharded)[0]:
-        return []
-    return [i for i, g in enumerate(g_leaves) if g is None]
-
-
-def _step_keeping(
-    optimizer: GradientTransformation,
-    grads: Any,
-    state: Any,
-    params: Any,
-    donate: bool,
-    frozen: list[int],
-) -> tuple[Any, Any]:
-    """:func:`step` where the leaves ``frozen`` have no gradient: the step
-    runs on the trees without them (params, grads and every params-shaped
-    part of the state), and they are put back as they were."""
-    p_paths, p_leaves, p_spec = flatten_with_paths(params, is_leaf=is_sharded)
-    gone = set(frozen)
-
-    def cut(leaves: list[Any]) -> list[Any]:
-        return [None if i in gone else x for i, x in enumerate(leaves)]
-
-    kept: list[list[Any]] = []
-
-    def cut_state(leaves: list[Any]) -> list[Any]:
-        kept.append(leaves)
-        return cut(leaves)
-
-    def put_back(leaves: list[Any], old: list[Any]) -> list[Any]:
-        return [old[i] if i in gone else x for i, x in enumerate(leaves)]
-
-    g_leaves = flatten_with_paths(grads, is_leaf=is_sharded, none_is_leaf=True)[1]
-    new_params, new_state = step(
-        optimizer,
-        optree.tree_unflatten(p_spec, cut(g_leaves)),
-        _map_param_shaped(state, p_paths, cut_state, none_is_leaf=False),
-        optree.tree_unflatten(p_spec, cut(p_leaves)),
-        donate=donate,
-    )
-    olds = iter(kept)
-    new_leaves = flatten_with_paths(new_params, is_leaf=is_sharded, none_is_leaf=True)[1]
-    return (
-        optree.tree_unflatten(p_spec, put_back(new_leaves, p_leaves)),
-        _map_param_shaped(
-            new_state, p_paths, lambda leaves: put_back(leaves, next(olds)), none_is_leaf=True
-        ),
-    )
-
-
-def _map_param_shaped(
-    state: Any, p_paths: list[str], fn: Callable[[list[Any]], list[Any]], none_is_leaf: bool
-) -> Any:
-    """``state`` with ``fn`` applied to the leaves of every subtree laid out
-    like the params (the moments, master weights), in order; with
-    ``none_is_leaf``, a None in such a subtree counts as a leaf."""
-
-    def visit(node: Any) -> Any:
-        if is_sharded(node) or isinstance(node, torch.Tensor) or node is None:
-            return node
-        paths, leaves, spec = flatten_with_paths(
-            node, is_leaf=is_sharded, none_is_leaf=none_is_leaf
-        )
-        if paths == p_paths:
-            return optree.tree_unflatten(spec, fn(leaves))
-        if isinstance(node, dict):
-            return type(node)((k, visit(v)) for k, v in node.items())
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return type(node)(*(visit(v) for v in node))
-        if isinstance(node, tuple | list):
-            return type(node)(visit(v) for v in node)
-        return node
-
-    return visit(state)
 
 
 def validate(

@@ -13,16 +13,16 @@ from ..shard._sharded import Sharded
 from ..shard._transfer import transfer
 from ._base import (
     Flat,
+    Fusible,
     GradientTransformation,
+    MasterFusion,
     apply_updates,
     expect_state,
     flatten,
-    local,
     needs_params,
     role_layout,
     transformation,
 )
-from ._fused import laid_out_like
 from ._norms import all_finite
 
 __all__ = ["DynamicLossScale", "MasterWeightsState", "with_master_weights"]
@@ -62,7 +62,9 @@ def with_master_weights(
     runs ``inner`` against the master copy, updates it, and returns updates
     (in ``dtype``) such that :func:`apply_updates` gives the new master
     weights rounded to the params' dtype (exactly, unless a value changes by
-    more than a factor 2**16 in one step).
+    more than a factor 2**16 in one step). Around an optimizer with a native
+    kernel, :func:`fused_step` steps the fp32 master copy in place and
+    writes the bf16/fp16 params from it, rounded, in the same pass.
 
     >>> import torch
     >>> from shardax import optim
@@ -97,44 +99,10 @@ def with_master_weights(
         ]
         return flat.build(out), MasterWeightsState(new_master, inner_state)
 
-    def step(
-        updates: Any, state: Any, params: Any, donate: bool = False, shadows: Any = None
-    ) -> tuple[Any, Any] | None:
-        # One pass where the inner optimizer has a fused step: it updates the
-        # master copy in place and writes the params, rounded, as it goes.
-        inner_step = getattr(inner, "step", None)
-        if inner_step is None or shadows is not None or not isinstance(state, MasterWeightsState):
-            return None
-        flat = Flat(state.master, "state.master")
-        leaves, spec = optree.tree_flatten(params, is_leaf=lambda x: isinstance(x, Sharded))
-        low = all(x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
-                  for x in leaves)  # fmt: skip
-        if spec != flat.spec or not low or not laid_out_like(leaves, flat):
-            return None  # not low precision, or laid out unlike the master copy (ZeRO-1/2)
-        given = [local(x) for x in leaves]
-        targets = [
-            x if donate and x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
-            for x in given
-        ]
-        if not getattr(inner_step, "reads_low_precision_grads", False):
-            # as update does: the inner transformations see fp32 gradients
-            updates = flat.build([g.to(dtype) for g in flat.align(updates, "updates")])
-        done = inner_step(updates, state.inner_state, state.master, True, targets)
-        if done is None:
-            return None
-        new_master, inner_state = done
-        for x, t in zip(given, targets, strict=True):
-            if donate and t is not x:
-                x.copy_(t)
-        out = given if donate else targets
-        rebuilt = [
-            x.with_local(t) if isinstance(x, Sharded) else t
-            for x, t in zip(leaves, out, strict=True)
-        ]
-        new_params = optree.tree_unflatten(spec, rebuilt)
-        return new_params, MasterWeightsState(new_master, inner_state)
-
-    return transformation(init, update)._replace(step=step)
+    reference = transformation(init, update)
+    if isinstance(inner, Fusible):
+        return Fusible(reference.init, reference.update, MasterFusion(inner, dtype))
+    return reference
 
 
 # -- dynamic loss scaling ------------------------------------------------------------

@@ -8,7 +8,6 @@ a rank's shard (statistics of whole tensors are in ``_global``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -17,6 +16,7 @@ from ._base import (
     EmptyState,
     Flat,
     GradientTransformation,
+    Schedule,
     cast,
     expect_state,
     foreach,
@@ -24,7 +24,6 @@ from ._base import (
     new_count,
     transformation,
     tree_zeros_state,
-    updates_are_fresh,
     validate,
 )
 
@@ -48,24 +47,8 @@ __all__ = [
     "trace",
 ]
 
-Schedule = Callable[[int], float]
-
 
 # -- scaling ------------------------------------------------------------------
-
-
-def _mul(u: list[torch.Tensor], factor: float) -> list[torch.Tensor]:
-    if updates_are_fresh():
-        torch._foreach_mul_(u, factor)
-        return u
-    return torch._foreach_mul(u, factor)
-
-
-def _add(u: list[torch.Tensor], p: list[torch.Tensor], alpha: float) -> list[torch.Tensor]:
-    if updates_are_fresh():
-        torch._foreach_add_(u, p, alpha=alpha)
-        return u
-    return torch._foreach_add(u, p, alpha=alpha)
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -80,7 +63,7 @@ def scale(step_size: float) -> GradientTransformation:
 
     def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
         flat = Flat(updates, "updates")
-        return flat.build(foreach(lambda u: _mul(u, factor), flat.locals)), state
+        return flat.build(foreach(lambda u: torch._foreach_mul(u, factor), flat.locals)), state
 
     return transformation(lambda params: EmptyState(), update)
 
@@ -113,7 +96,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         expect_state(state, ScaleByScheduleState, what="scale_by_schedule")
         factor = float(step_size_fn(int(state.count)))
         flat = Flat(updates, "updates")
-        out = foreach(lambda u: _mul(u, factor), flat.locals)
+        out = foreach(lambda u: torch._foreach_mul(u, factor), flat.locals)
         return flat.build(out), ScaleByScheduleState(state.count + 1)
 
     return transformation(init, update)
@@ -174,7 +157,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Any = None) -> Gradient
         flat = Flat(updates, "updates")
         u = flat.locals
         p = cast(flat.align(params, "params"), u)
-        return flat.build(foreach(lambda u, p: _add(u, p, wd), u, p)), state
+        return flat.build(foreach(lambda u, p: torch._foreach_add(u, p, alpha=wd), u, p)), state
 
     inner = transformation(lambda params: EmptyState(), update)
     if mask is None:
@@ -308,15 +291,12 @@ def scale_by_adam(
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
 
         def math(mu: list, nu: list, nu_max: list, g: list) -> tuple[list, ...]:
-            # The moments are updated in place: the state passed in is donated
-            # (its buffers become the new state's), so a step needs no second
-            # copy of the optimizer state.
+            # new moments: the state passed in keeps its values
             gm, gv = cast(g, mu), cast(g, nu)
-            torch._foreach_lerp_(mu, gm, 1.0 - b1)
-            torch._foreach_mul_(nu, b2)
+            mu = torch._foreach_lerp(mu, gm, 1.0 - b1)
+            nu = torch._foreach_mul(nu, b2)
             torch._foreach_addcmul_(nu, gv, gv, 1.0 - b2)
-            if amsgrad:
-                torch._foreach_maximum_(nu_max, nu)
+            nu_max = torch._foreach_maximum(nu_max, nu) if amsgrad else nu
             if eps_root:
                 denom = torch._foreach_add(nu_max, eps_root * bc2)
                 torch._foreach_sqrt_(denom)

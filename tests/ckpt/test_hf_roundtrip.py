@@ -93,7 +93,7 @@ def _train_save_consolidate(path: str) -> tuple[torch.Tensor, list[float]]:
         x = torch.randint(0, VOCAB, (4, SEQ), generator=g)
         x = x[2 * mesh.axis_index("dp") : 2 * mesh.axis_index("dp") + 2]  # this dp rank's half
         loss, grads = grad_fn(params, x)
-        params, opt_state = sx.optim.step(opt, grads, opt_state, params)
+        params, opt_state = sx.optim.fused_step(opt).step(params, grads, opt_state)
         losses.append(float(loss))
     sx.ckpt.save(path + "/c", {"params": params}, metadata=sx.ckpt.model_metadata(model))
     if mesh.rank == 0:

@@ -60,7 +60,7 @@ def _train(mesh_shape: dict[str, int], path: str, start: int) -> list[float]:
             sx.ckpt.save(path, {"params": params, "opt_state": opt_state})
         rows = _batch(step)[i * GLOBAL_BATCH // n : (i + 1) * GLOBAL_BATCH // n]
         loss, grads = grad_fn(params, rows[:, :-1], rows[:, 1:])
-        params, opt_state = sx.optim.step(opt, grads, opt_state, params)
+        params, opt_state = sx.optim.fused_step(opt).step(params, grads, opt_state)
         losses.append(float(loss))
     return losses
 

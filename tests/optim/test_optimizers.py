@@ -2,7 +2,7 @@
 ``torch.optim`` counterpart (or a hand-written reference of its paper's
 update) over 50 steps; ``init`` works on meta params; ``update`` mutates
 nothing; and on real ranks, in the ZeRO-1/2/3 arrangements, the sharded run
-equals the dense one."""
+— by ``update`` or by the fused stepper — equals the dense one."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ FUSED = [
     "adagrad",
     "rmsprop",
     "lion",
-]  # the cases optim.step runs in one native pass
+]  # the cases optim.fused_step runs in native passes
 
 
 # -- the reference comparison -----------------------------------------------------
@@ -255,20 +255,26 @@ def test_init_on_meta_params_gives_meta_state(name):
     assert leaves or name == "sgd"
 
 
+@pytest.mark.parametrize("master", [False, True], ids=["", "master-weights"])
 @pytest.mark.parametrize("name", NAMES)
-def test_update_mutates_neither_params_nor_grads(name):
-    """Params and grads are never written; the state is donated (an update
-    may reuse its buffers for the new state, so one step holds one copy)."""
+def test_update_mutates_nothing_it_is_given(name, master):
+    """``update`` is pure: the params, the gradients and the state passed in
+    are bit for bit what they were (also under ``with_master_weights``, and
+    with the native kernels available)."""
     opt = OPTIMIZERS[name].make()
     params = init_params()
+    if master:
+        opt = optim.with_master_weights(opt)
+        params = {k: v.to(torch.bfloat16) for k, v in params.items()}
     state = opt.init(params)
     for step in range(2):  # the second step sees non-zero state
-        grads = grads_at(params, step)
-        before = [x.clone() for x in _tensor_leaves((params, grads))]
+        dense = {k: v.float() for k, v in params.items()}
+        grads = {k: g.to(params[k].dtype) for k, g in grads_at(dense, step).items()}
+        inputs = _tensor_leaves((params, grads, state))
+        before = [x.clone() for x in inputs]
         updates, new_state = opt.update(grads, state, params)
         new_params = optim.apply_updates(params, updates)
-        after = _tensor_leaves((params, grads))
-        for a, b in zip(before, after, strict=True):
+        for a, b in zip(before, inputs, strict=True):
             assert torch.equal(a, b), f"{name} mutated an input in step {step}"
         params, state = new_params, new_state
 
@@ -339,16 +345,27 @@ def _arranged_grads(dense: dict, mesh: sx.Mesh, arrangement: str) -> dict[str, s
 
 
 def _run_sharded(names: list[str], arrangement: str, via: str = "update") -> dict:
-    from shardax.optim import _fused
+    from shardax.optim._native import Native
 
-    fused_steps = []  # leaves the kernels stepped, writing params (1): the one-pass step ran
-    real_call = _fused._Pass.call
-    _fused._Pass.call = lambda self, kernel, *a: (  # type: ignore[method-assign]
-        fused_steps.extend([int(self.step)] * sum(1 for t in a[0] if t.numel())),
-        real_call(self, kernel, *a),
-    )[1]
+    # the leaves the kernels stepped: 1 writing the params (the one-pass
+    # step), 0 writing the updates (ZeRO-1/2: apply_updates gathers them)
+    kernel_leaves: list[int] = []
+    launch = Native.launch
+
+    def spy(self, function, s0, s1, g, p, out, shadows, apply, scalars):  # type: ignore[no-untyped-def]
+        kernel_leaves.extend([int(apply)] * sum(1 for t in out if t.numel()))
+        return launch(self, function, s0, s1, g, p, out, shadows, apply, scalars)
+
+    Native.launch = spy  # type: ignore[method-assign]
+    try:
+        return _run_sharded_spied(names, arrangement, via, kernel_leaves)
+    finally:
+        Native.launch = launch  # type: ignore[method-assign]
+
+
+def _run_sharded_spied(names: list[str], arrangement: str, via: str, kernel_leaves: list) -> dict:
     mesh = sx.Mesh({"dp": 2, "tp": 2})
-    out: dict = {"fused steps": fused_steps}
+    out: dict = {"kernel leaves": kernel_leaves}
     for name in names:
         opt = OPTIMIZERS[name].make()
         params = _arranged(sharded_params(), mesh, arrangement)
@@ -362,8 +379,8 @@ def _run_sharded(names: list[str], arrangement: str, via: str = "update") -> dic
         ]
         for step in range(STEPS):
             grads = _arranged_grads(sharded_grads(step), mesh, arrangement)
-            if via == "step":  # fused where the kernels cover it (ZeRO-3), else update + apply
-                params, state = optim.step(opt, grads, state, params)
+            if via == "fused":  # one pass (ZeRO-3), the kernels' updates applied (ZeRO-1/2)
+                params, state = optim.fused_step(opt).step(params, grads, state)
             else:
                 updates, state = opt.update(grads, state, params)
                 params = optim.apply_updates(params, updates)
@@ -398,16 +415,20 @@ def _torch_run(name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
     ("arrangement", "via"),
-    [("zero1", "update"), ("zero2", "update"), ("zero3", "update"), ("zero1", "step"),
-     ("zero3", "step")],
+    [("zero1", "update"), ("zero2", "update"), ("zero3", "update"), ("zero1", "fused"),
+     ("zero2", "fused"), ("zero3", "fused")],
 )  # fmt: skip
 def test_sharded_runs_equal_dense_on_a_2x2_mesh(arrangement, via):
     results = run_ranks(_run_sharded, NAMES, arrangement, via, world_size=4)
-    in_one_pass = sum(results[0]["fused steps"])
-    if via == "step" and arrangement == "zero3" and OPTIM.load() is not None:
-        assert in_one_pass == STEPS * len(SHAPES) * len(FUSED), in_one_pass
-    else:  # ZeRO-1's replicated params are laid out unlike the state: update + apply
-        assert in_one_pass == 0
+    kernel_leaves = results[0]["kernel leaves"]
+    if via == "fused" and OPTIM.load() is not None:
+        # every fused optimizer's leaves (rank 0 holds a piece of each), every
+        # step, in one pass where the params are laid out like the state
+        # (ZeRO-3); ZeRO-1/2's replicated params are not: the kernels write
+        # the updates
+        assert kernel_leaves == [int(arrangement == "zero3")] * STEPS * len(SHAPES) * len(FUSED)
+    else:  # update is pure: the chains of transforms
+        assert kernel_leaves == []
     for name in NAMES:
         dense = _dense_run(name)
         torch_ref = _torch_run(name) if OPTIMIZERS[name].torch_ref else None

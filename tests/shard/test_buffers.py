@@ -1,5 +1,6 @@
 """Buffers need no handling: in the params (as ``params_of`` gives them) they
-get no gradient and ``optim.step`` leaves them — and their optimizer state —
+get no gradient and the optimizer's step (``optim.fused_step``, ``optim.step``)
+leaves them — and their optimizer state —
 as they are, so training matches ``torch.optim`` with the model's own
 parameters; left out of the params, ``apply`` uses the model's own."""
 
@@ -59,7 +60,7 @@ def train(stage: int, with_buffers: bool) -> tuple[list[float], dict[str, torch.
     for x, y in batches():
         rows = slice(i * len(x) // n, (i + 1) * len(x) // n)
         loss, grads = grad_fn(params, x[rows], y[rows])
-        params, opt_state = sx.optim.step(opt, grads, opt_state, params)
+        params, opt_state = sx.optim.fused_step(opt).step(params, grads, opt_state)
         losses.append(loss.item())
     return losses, sx.gather(params), {k: g is None for k, g in grads.items()}
 
