@@ -100,7 +100,9 @@ def test_tinyshakespeare_is_the_shipped_copy():
 
 
 def test_tinyshakespeare_says_where_it_looked(monkeypatch, tmp_path):
-    monkeypatch.setattr(sx, "__file__", str(tmp_path / "shardax" / "__init__.py"))
+    from shardax.data import _text
+
+    monkeypatch.setattr(_text, "__file__", str(tmp_path / "shardax" / "data" / "_text.py"))
     with pytest.raises(FileNotFoundError) as err:
         TextDataset.tinyshakespeare(seq_len=8)
     assert str(tmp_path / "examples" / "data" / "tinyshakespeare.txt") in str(err.value)
