@@ -23,8 +23,9 @@ sides (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` against
 ``all_gather(..., out=)`` / ``psum_scatter(..., out=)``). And into a new
 tensor each call (``*_new``: the functional shardax call against torch's
 into a fresh tensor — for all-reduce, torch's ``all_reduce`` of a fresh
-copy). All-to-all writes into a preallocated output on the torch side and
-a new one on shardax's.
+copy). All-to-all writes into a preallocated output on both sides
+(``all_to_all_single`` against ``all_to_all(..., out=)``; what Ulysses'
+and expert parallelism's reused activation buffers do).
 
 All-reduce has a third column where DeepSpeed is importable (``pip install
 'shardax[bench]'``): DeepSpeed's shared-memory all-reduce on CPU (the op
@@ -92,7 +93,7 @@ def cases(
     scattered = {name: torch.empty(chunk) for name in ("torch", "shardax")}
     sizes = (chunk,) * n
     grid = full.view(n, chunk)
-    a2a_out = torch.empty(chunk * n)
+    exchanged = {"torch": torch.empty(chunk * n), "shardax": torch.empty(1, chunk * n)}
     # In place on a reused buffer (what DDP's buckets do: torch's and
     # DeepSpeed's calls are in place), each implementation on its own buffer
     # (the sums grow from rep to rep alike: the values do not matter).
@@ -149,9 +150,9 @@ def cases(
         "all_to_all": (
             (n - 1) / n,
             {
-                "torch": lambda: dist.all_to_all_single(a2a_out, full),
+                "torch": lambda: dist.all_to_all_single(exchanged["torch"], full),
                 "shardax": lambda: C.all_to_all(
-                    grid, "x", 0, 1, concat_sizes=(chunk,) * n, mesh=mesh
+                    grid, "x", 0, 1, concat_sizes=sizes, mesh=mesh, out=exchanged["shardax"]
                 ),
             },
         ),

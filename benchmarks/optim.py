@@ -1,5 +1,5 @@
-"""AdamW steps on CPU: shardax's ``optim.adamw`` — ``optim.step(donate=True)``
-(update and apply in one native pass), the fused update followed by
+"""AdamW steps on CPU: shardax's ``optim.adamw`` — ``optim.fused_step``
+(update and apply in place, in one native pass), ``update`` followed by
 ``apply_updates(donate=True)``, the reference chain of foreach transforms
 (``SHARDAX_NO_NATIVE``), and the one-pass step of bf16 params with fp32
 master weights — against ``torch.optim.AdamW`` (foreach and fused) and,
@@ -11,6 +11,16 @@ implementation — the bf16-master step reads a bf16 gradient and writes a
 bf16 param besides, also 28). The ``*_gpt_leaves`` rows step the same
 number of elements cut into a GPT's 144 leaves of very uneven sizes (what a
 model hands an optimizer): shardax steps them in one native call.
+
+The memory's pace is measured in the same loop, on buffers of the same
+size (``stream``): STREAM's copy ``a = b`` and triad ``a = b + s·c``,
+counted as STREAM counts them (8 and 12 bytes per element), and an in-place
+update ``a += s·b`` (12 bytes), which writes only lines it has just read, as
+an optimizer step does — copy and triad write lines they have not read, and
+the read for ownership that costs is not counted, so they understate what a
+step can reach. ``of_stream`` is each row's GB/s over the best of the three
+(a step, streaming four arrays at once, can pass it: one core keeps more
+lines in flight that way).
 
     python benchmarks/optim.py --json optim.json     # 3 processes x 15 steps each
     python benchmarks/optim.py --smoke               # seconds
@@ -35,6 +45,18 @@ import torch
 import shardax as sx
 
 BYTES_PER_ELEMENT = 28  # read p, g, m, v; write p, m, v
+STREAM_BYTES = {"copy": 8, "triad": 12, "update": 12}  # per element, as STREAM counts
+
+
+def _stream(n: int) -> dict[str, Callable[[], None]]:
+    """The memory's pace on ``n``-element fp32 buffers (see the top of the
+    file), with torch's kernels on as many threads as the steps."""
+    a, b, c = torch.randn(n), torch.randn(n), torch.randn(n)
+    return {
+        "copy": lambda: a.copy_(b),
+        "triad": lambda: torch.add(b, c, alpha=0.5, out=a),
+        "update": lambda: a.add_(b, alpha=1e-9),
+    }
 
 
 def gpt_sizes(n: int, layers: int = 12) -> list[int]:
@@ -58,11 +80,12 @@ def _shardax(n: int, native: bool, fused_step: bool, dtype: torch.dtype = torch.
     if dtype != torch.float32:
         opt = sx.optim.with_master_weights(opt)
     state = opt.init(params)
+    stepper = sx.optim.fused_step(opt)  # in place, one native pass
 
     def step() -> None:
         nonlocal params, state
         if fused_step:
-            params, state = sx.optim.step(opt, grads, state, params, donate=True)
+            params, state = stepper.step(params, grads, state)
         else:
             updates, state = opt.update(grads, state, params)
             params = sx.optim.apply_updates(params, updates, donate=True)
@@ -110,6 +133,8 @@ def _measure(numel: int, reps: int, seed: int) -> tuple[dict[str, list[float]], 
                                     weight_decay=0.1)  # fmt: skip
     if ds_step is not None:
         steps["deepspeed_cpu_adam"] = ds_step
+    # the memory's pace, interleaved with the steps (the same noise for both)
+    steps.update({f"stream_{k}": fn for k, fn in _stream(numel).items()})
     times: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():  # warm up: first-touch page faults, kernel build
         fn()
@@ -252,20 +277,28 @@ def main(argv: list[str] | None = None) -> int:
         runs, ds_skipped = _in_processes(args, reps)
     from shardax.kernels import OPTIM
 
-    rows = {}
+    rows, stream = {}, {}
     for name in runs[0]:
         ts = [t for run in runs for t in run[name]]
         ms = 1e3 * statistics.median(ts)
+        kind = name.removeprefix("stream_")
         elements = sum(gpt_sizes(numel)) if name.endswith("_gpt_leaves") else numel
-        rows[name] = {
+        per_element = STREAM_BYTES[kind] if name.startswith("stream_") else BYTES_PER_ELEMENT
+        row = {
             "ms": ms,
-            "GBps": BYTES_PER_ELEMENT * elements / (ms / 1e3) / 1e9,
+            "GBps": per_element * elements / (ms / 1e3) / 1e9,
             "process_ms": [1e3 * statistics.median(run[name]) for run in runs],
             "all_ms": [1e3 * t for t in ts],
         }
+        if name.startswith("stream_"):
+            stream[kind] = row
+        else:
+            rows[name] = row
+    stream_gbps = max(r["GBps"] for r in stream.values())
     fused = rows["torch_fused"]["ms"]
     for r in rows.values():
         r["vs_torch_fused"] = fused / r["ms"]
+        r["of_stream"] = r["GBps"] / stream_gbps
     result = {
         "benchmark": "optim",
         "numel": numel,
@@ -275,16 +308,19 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "native": OPTIM.status(),
         "deepspeed": {"skipped": ds_skipped},
+        "stream": {"GBps": stream_gbps, **stream},
         "results": rows,
     }
     print(
         f"AdamW step, {numel:,} fp32 elements, {args.threads} threads, median of {reps} "
         f"steps x {len(runs)} processes (per-process medians in brackets)"
     )
+    pace = ", ".join(f"{k} {r['GBps']:.1f}" for k, r in stream.items())
+    print(f"stream, measured in the same loop: {pace} GB/s")
     for name, r in rows.items():
         each = " ".join(f"{x:.1f}" for x in r["process_ms"])
         print(
-            f"{name:<26}{r['ms']:>9.1f} ms{r['GBps']:>8.1f} GB/s  "
+            f"{name:<26}{r['ms']:>9.1f} ms{r['GBps']:>8.1f} GB/s {r['of_stream']:>4.0%} of stream  "
             f"x{r['vs_torch_fused']:.2f} torch fused  [{each}]"
         )
     if ds_skipped:

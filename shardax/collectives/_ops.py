@@ -322,10 +322,21 @@ class AllToAll(Op):
         mine = self.split_sizes[g.index]
         shapes = [[mine, *rest[:cd], c, *rest[cd + 1 :]] for c in self.concat_sizes]
         out_splits = [mine * row * c for c in self.concat_sizes]
-        out = send.new_empty(sum(out_splits))
+        in_order = math.prod([mine, *rest[:cd]]) == 1  # the pieces already lie in concat order
+        # received straight into ``out=`` where its memory is that order (and
+        # it is not the buffer being sent)
+        direct = (
+            dest is not None
+            and in_order
+            and dest.is_contiguous()
+            and dest.untyped_storage().data_ptr() != send.untyped_storage().data_ptr()
+        )
+        out = dest.view(-1) if direct else send.new_empty(sum(out_splits))
 
         def finish() -> torch.Tensor:
-            if math.prod([mine, *rest[:cd]]) == 1:  # the pieces already lie in concat order
+            if direct:
+                return dest  # type: ignore[return-value]
+            if in_order:
                 whole = [mine, *rest[:cd], sum(self.concat_sizes), *rest[cd + 1 :]]
                 result = out.view(whole).movedim(0, self.split_dim)
                 return result if dest is None else dest.copy_(result)

@@ -82,7 +82,12 @@ class NativeLibrary:
         return cache_dir() / f"{self.name}-{digest.hexdigest()[:16]}.so"
 
     def _flags(self) -> list[str]:
-        flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
+        # Values are rounded exactly as written (-ffp-contract=off: no fused
+        # multiply-add the source does not ask for); no errno and no trapping
+        # (nothing reads the floating-point flags) lets the vectoriser compute
+        # both sides of a select, as the kernels' branch-free loops need.
+        flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno",
+                 "-fno-trapping-math"]  # fmt: skip
         if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
             flags.append(
                 "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
