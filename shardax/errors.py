@@ -90,7 +90,13 @@ class LaunchError(RuntimeError):
 class ConfigError(ValueError):
     """A run config that cannot be used as written: an unknown key (named
     with its section and the keys allowed there), a bad value, batch sizes
-    that do not add up (all three named with the data-parallel size)."""
+    that do not add up (all three named with the data-parallel size).
+    ``key_path`` is the key it is about (``"optimizer.lr"``), where known:
+    a config file's error names its line by it."""
+
+    def __init__(self, message: str = "", key_path: str | None = None) -> None:
+        super().__init__(message)
+        self.key_path = key_path
 
 
 USER_ERRORS = (

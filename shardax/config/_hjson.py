@@ -15,9 +15,7 @@ from ..errors import ConfigError
 def _keyed(message: str, key_path: str | None) -> ConfigError:
     """A ConfigError that knows the key path it is about (so that a file's
     line can be named)."""
-    err = ConfigError(message)
-    err.key_path = key_path  # type: ignore[attr-defined]
-    return err
+    return ConfigError(message, key_path)
 
 
 def _first_key(message: str, keys: Any) -> str | None:

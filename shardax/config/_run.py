@@ -125,7 +125,7 @@ class RunConfig:
         try:
             return cls(**kwargs)
         except ConfigError as err:
-            key = getattr(err, "key_path", None) or _first_key(str(err), top)
+            key = err.key_path or _first_key(str(err), top)
             raise _keyed(f"{source}: {err}", key) from None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{source}: {err}") from None
@@ -150,7 +150,7 @@ class RunConfig:
         try:
             return cls.from_dict(_plain(data), source)
         except ConfigError as err:
-            path = getattr(err, "key_path", None)
+            path = err.key_path
             line = _line_of(text, tuple(path.split("."))) if path else None
             if line is None or not str(err).startswith(f"{source}: "):
                 raise
