@@ -101,7 +101,7 @@ def adam(
     reference = _chain(
         add_decayed_weights(weight_decay) if weight_decay else None,
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
-        scale_by_learning_rate(lr),
+        scale_by_learning_rate(lr, _owned=True),  # scale_by_adam's new buffers
     )
     if amsgrad or nesterov or mu_dtype is not None:
         return reference
@@ -155,10 +155,10 @@ def adamw(
     compiler, or with ``SHARDAX_NO_NATIVE=1`` — the chain runs. The state is
     the chain's either way.
     """
-    reference = chain(
+    reference = chain(  # scale_by_adam makes new buffers: decayed and scaled in place
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(lr),
+        add_decayed_weights(weight_decay, mask, _owned=True),
+        scale_by_learning_rate(lr, _owned=True),
     )
     if mask is not None or amsgrad or nesterov or mu_dtype is not None:
         return reference
@@ -192,7 +192,7 @@ def adagrad(
     reference = _chain(
         add_decayed_weights(weight_decay) if weight_decay else None,
         scale_by_rss(initial_accumulator_value, eps),
-        scale_by_learning_rate(lr),
+        scale_by_learning_rate(lr, _owned=True),  # scale_by_rss's new buffers
     )
     at = 1 if weight_decay else 0
     return _fusible(
@@ -267,10 +267,10 @@ def lion(
     tensors in one native pass (``kernels/csrc/optim.cpp``), as for
     :func:`adamw`.
     """
-    reference = chain(
+    reference = chain(  # scale_by_lion makes new buffers: decayed and scaled in place
         scale_by_lion(b1, b2, mu_dtype),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(lr),
+        add_decayed_weights(weight_decay, mask, _owned=True),
+        scale_by_learning_rate(lr, _owned=True),
     )
     if mask is not None or mu_dtype is not None:
         return reference
