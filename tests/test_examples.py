@@ -48,7 +48,7 @@ def test_hello_sharding_on_two_ranks():
 def test_conformance_suite_on_four_ranks():
     done = launch("--nproc-per-node", "4", "-m", "shardax.collectives.conformance")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "[rank 0] conformance: 11 checks" in done.stdout
+    assert "[rank 0] conformance: 12 checks" in done.stdout
     backend = sx.collectives.get_backend().name  # shm on a CPU machine with a compiler
     assert (
         f"Mesh({{'x': 4}}), Mesh({{'x': 2, 'y': 2}}) (4 ranks on cpu, backend {backend})"

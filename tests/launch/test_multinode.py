@@ -127,7 +127,7 @@ def test_two_node_launchers_form_one_world_and_pass_conformance():
     procs = [start_node(n, port, "-m", "shardax.collectives.conformance") for n in (0, 1)]
     (code0, out0, err0), (code1, out1, err1) = finish(procs)
     assert code0 == 0 and code1 == 0, (err0, err1)
-    assert "[rank 0] conformance: 11 checks" in out0
+    assert "[rank 0] conformance: 12 checks" in out0
     assert "(4 ranks" in out0
     assert "[rank 2]" not in out0 and "[rank 0]" not in out1  # each node shows its ranks
 
