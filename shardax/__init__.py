@@ -20,6 +20,7 @@ from . import config as config
 from . import data as data
 from . import monitor as monitor
 from . import optim as optim
+from . import pipeline as pipeline
 from . import rules as rules
 from .errors import CheckpointError as CheckpointError
 from .errors import CollectiveError as CollectiveError
@@ -28,6 +29,7 @@ from .errors import CollectiveTimeoutError as CollectiveTimeoutError
 from .errors import ConfigError as ConfigError
 from .errors import LaunchError as LaunchError
 from .errors import MeshError as MeshError
+from .errors import ScheduleError as ScheduleError
 from .errors import ShardingError as ShardingError
 from .errors import UnmatchedRulesWarning as UnmatchedRulesWarning
 from .errors import UnshardedWeightWarning as UnshardedWeightWarning
@@ -88,6 +90,7 @@ __all__ = [
     "LaunchError",
     "Mesh",
     "MeshError",
+    "ScheduleError",
     "ModuleRule",
     "NamedSharding",
     "P",
@@ -113,6 +116,7 @@ __all__ = [
     "local_sizes",
     "manual_seed",
     "optim",
+    "pipeline",
     "params_of",
     "plan_transfer",
     "reshard",

@@ -23,6 +23,7 @@ __all__ = [
     "ConfigError",
     "LaunchError",
     "MeshError",
+    "ScheduleError",
     "ShardingError",
     "USER_ERRORS",
     "UnmatchedRulesWarning",
@@ -76,6 +77,13 @@ class CollectiveMismatchError(CollectiveError):
     where known, the key path being moved."""
 
 
+class ScheduleError(ValueError):
+    """A pipeline schedule that cannot run as written: an action on the
+    wrong rank or outside the stages and micro-batches, a micro-batch not
+    forwarded or backwarded exactly once, or an order in which some rank
+    would wait forever (named with the action it waits at and what for)."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written or read as asked: keys missing or
     unexpected, shapes that differ, a corrupt or truncated file (named with
@@ -101,6 +109,7 @@ class ConfigError(ValueError):
 
 USER_ERRORS = (
     ShardingError, MeshError, CollectiveError, CheckpointError, LaunchError, ConfigError,
+    ScheduleError,
 )  # fmt: skip
 """The typed errors that say what was wrong with a setting or an input (a
 command line shows their message, not a traceback)."""

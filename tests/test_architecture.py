@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mesh",),
     ("collectives",),
     ("shard",),
-    ("rules", "optim", "data"),
+    ("rules", "optim", "data", "pipeline"),
     ("ckpt", "monitor", "report", "config"),
     ("launch",),
     ("cli",),

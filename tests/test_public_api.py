@@ -14,6 +14,7 @@ from shardax.cli import main
 
 SURFACE = {
     "shardax": [
+        "ScheduleError",
         "Explanation",
         "Placement",
         "Plan",
@@ -57,6 +58,7 @@ SURFACE = {
         "manual_seed",
         "optim",
         "params_of",
+        "pipeline",
         "plan_transfer",
         "reshard",
         "rules",
@@ -262,11 +264,22 @@ SURFACE = {
         "ConfigError",
         "LaunchError",
         "MeshError",
+        "ScheduleError",
         "ShardingError",
         "USER_ERRORS",
         "UnmatchedRulesWarning",
         "UnshardedWeightWarning",
         "debugging",
+    ],
+    "shardax.pipeline": [
+        "Action",
+        "Event",
+        "Schedule",
+        "Timeline",
+        "gpipe",
+        "one_f_one_b",
+        "simulate",
+        "validate",
     ],
     "shardax.launch": ["LaunchSpec", "free_port", "launch", "rank_command", "rank_env"],
 }
