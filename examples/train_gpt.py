@@ -118,6 +118,45 @@ def evaluate(logits_of: Callable, params: dict, batches: list[dict], mesh: sx.Me
     return float(sx.collectives.pmean(total / len(batches), "dp", mesh=mesh))
 
 
+def pipelined(
+    run: sx.config.RunConfig,
+    model: torch.nn.Module,
+    mesh: sx.Mesh,
+    pipe: sx.pipeline.Schedule,
+    stages: sx.pipeline.Stages,
+) -> tuple[Callable, Callable]:
+    """The train step's ``grad_fn(params, batch, scale)`` and the
+    evaluation loss ``val_fn(params, batch)`` under a pipeline: the
+    schedule's micro-batches split each rank's batch, the loss on the last
+    stage, the gradients clipped by the whole model's norm."""
+    tp, clip = run.parallel.tp, run.optimizer.clip_global_norm
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if tp is not None:  # the head's logits are this rank's vocabulary piece
+            return sx.vocab_parallel_cross_entropy(logits.float(), y, tp, mesh=mesh.submesh(tp))
+        return cross_entropy(logits, y)
+
+    step = sx.pipeline.value_and_grad(
+        model, loss_fn, pipe, stages, mesh=mesh, bucket_bytes=run.parallel.bucket_bytes
+    )
+    value = sx.pipeline.value(model, loss_fn, pipe, stages, mesh=mesh)
+
+    def grad_fn(params: dict, batch: dict, scale: float) -> tuple[torch.Tensor, dict]:
+        loss, grads = step(params, batch["x"], batch["y"])
+        if clip:
+            grads, _ = sx.pipeline.clip_by_global_norm(grads, clip, stages, pipe, mesh=mesh)
+        return loss * scale, grads
+
+    return grad_fn, lambda params, batch: value(params, batch["x"], batch["y"])
+
+
+def evaluate_pipelined(val_fn: Callable, params: dict, batches: list[dict], mesh: sx.Mesh) -> float:
+    """:func:`evaluate` under a pipeline: the loss is the last stage's,
+    already on every rank of the pipeline axis."""
+    total = sum(val_fn(params, b) for b in batches)
+    return float(sx.collectives.pmean(total / len(batches), "dp", mesh=mesh))
+
+
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written; every option with its default."""
 
@@ -147,6 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--sp", action="store_true", help="Megatron sequence parallelism over tp (needs --tp)"
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: a pp axis added to the mesh, the blocks split over it",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=list(sx.pipeline.SCHEDULES),
+        default="1f1b",
+        help="the pipeline schedule (with --pp; see docs/pipeline.md)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        help="pipeline micro-batches per step (%(default)s: twice --pp); they split each "
+        "data-parallel rank's batch",
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -222,6 +279,8 @@ CONFIG_FLAGS = {
     "out": ("checkpoint", "dir"),
     "save_every": ("checkpoint", "every"),
     "keep": ("checkpoint", "keep"),
+    "schedule": ("parallel", "pp_schedule"),
+    "microbatches": ("parallel", "pp_micro_batches"),
 }
 
 
@@ -257,6 +316,12 @@ def run_config(
         mesh["tp"] = args.tp
     if mesh.get("tp", 1) != 1 and not parallel.get("tp"):  # an axis named tp: tensor parallelism
         parallel["tp"] = "tp"
+    if args.pp > 1:
+        if mesh.get("pp", args.pp) != args.pp:
+            raise sx.config.ConfigError(f"--pp {args.pp} but the mesh says pp={mesh['pp']}")
+        mesh["pp"] = args.pp
+    if mesh.get("pp", 1) != 1 and not parallel.get("pp"):  # an axis named pp: pipeline stages
+        parallel["pp"] = "pp"
     if args.sp:
         parallel["sequence_parallel"] = True
     data["mesh"] = mesh
@@ -609,9 +674,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     with torch.device("meta"):
         model = GPT(cfg)
     torch.manual_seed(run.seed)
-    params = sx.init_params(model, mesh, run.make_rules())
+    pipe = run.make_pipeline(info.world_size)  # a pipeline schedule, with --pp
+    if pipe is None:
+        params = sx.init_params(model, mesh, run.make_rules())
+    else:  # each rank holds its stages' parameters, laid out over the other axes
+        pp = run.parallel.pp
+        stage_mesh = mesh.submesh([a for a in mesh.axis_names if a != pp])
+        stages = sx.pipeline.split(model, pipe.stages)
+        params = sx.init_params(model, stage_mesh, run.make_rules())
+        params = stages.local(params, pipe, mesh.axis_index(pp))
+        say(f"pipeline: {pipe.stages} stages ({stages.counts} blocks) on {pp}={mesh.size(pp)}, "
+            f"{run.parallel.pp_schedule} over {pipe.micro_batches} micro-batches")  # fmt: skip
     schedule = run.make_schedule()
-    opt = run.make_optimizer(accumulation)
+    opt = run.make_optimizer(accumulation, clip=pipe is None)  # a pipeline clips by its own norm
     dtype = DTYPES[precision]
     if dtype != torch.float32:  # compute in bf16/fp16; fp32 master weights in the optimizer state
         params = {k: v.with_local(v.local.to(dtype)) for k, v in params.items()}
@@ -627,13 +702,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = 0
     if args.resume:
         target = {"params": params, "opt_state": opt_state, "step": 0}
+        strict = True if pipe is None else "target"  # a pipeline rank: its stages' part
         latest = args.resume is True
         where = manager.path(manager.latest() or 0) if latest else args.resume
         try:
             if latest:
-                restored = manager.restore(target, rng=args.rng)
+                restored = manager.restore(target, rng=args.rng, strict=strict)
             else:
-                state = sx.ckpt.load(args.resume, target, rng=args.rng)
+                state = sx.ckpt.load(args.resume, target, rng=args.rng, strict=strict)
                 restored = int(state["step"]), state
         except sx.CheckpointError as err:
             if "rng='restore'" not in str(err):
@@ -663,6 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return logits if tp is None else sx.collectives.all_gather(logits, tp, -1, mesh=mesh)
 
     grad_fn = sx.value_and_grad(loss_fn, bucket_bytes=run.parallel.bucket_bytes)
+    if pipe is not None:
+        grad_fn, val_fn = pipelined(run, model, mesh, pipe, stages)
     tokens_per_step = batch.global_size * cfg.seq_len
     bar = progress_bar(steps, start) if shows_progress(args.progress, rank) else None
     monitor = sx.monitor.Monitor.from_config(
@@ -729,7 +807,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     val_sampler = sx.data.Sampler(len(val), micro_global, mesh, P("dp"), shuffle=False)
     val_batches = list(sx.data.batches(val, val_sampler, num_steps=args.eval_batches))
-    val_loss = evaluate(logits_of, params, val_batches, mesh) if val_batches else float("nan")
+    if not val_batches:
+        val_loss = float("nan")
+    elif pipe is not None:
+        val_loss = evaluate_pipelined(val_fn, params, val_batches, mesh)
+    else:
+        val_loss = evaluate(logits_of, params, val_batches, mesh)
     say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
     if record and val_batches:
         record[-1]["val_loss"] = val_loss
@@ -740,7 +823,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0 and (lines := loss_record(Path(ckpt.dir), record, start)):
         say(*lines)  # loss.csv (and loss.png) next to the checkpoints
 
-    if args.sample_tokens > 0:
+    if args.sample_tokens > 0 and pipe is not None:
+        say("sample: not drawn under a pipeline (--pp): each rank holds only its stages")
+    elif args.sample_tokens > 0:
         prompt = sx.data.TextDataset.encode(args.prompt)[None]
         # Prompts grow one token at a time: sequence parallelism, which splits the
         # sequence over tp, gives way to plain tensor parallelism (same parameters).

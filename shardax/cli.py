@@ -19,6 +19,7 @@ from .ckpt._cli import ckpt_command
 from .config._cli import _config_cli
 from .errors import USER_ERRORS, debugging
 from .launch._cli import launch_command
+from .pipeline._cli import pipeline_command
 
 __all__ = ["main"]
 
@@ -60,6 +61,7 @@ def main() -> None:
 main.add_command(launch_command, "launch")
 main.add_command(ckpt_command, "ckpt")
 main.add_command(_config_cli(), "config")
+main.add_command(pipeline_command, "pipeline")
 
 
 @main.command("report")

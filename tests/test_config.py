@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import optree
 import pytest
+import torch
 from click.testing import CliRunner
 
 import shardax as sx
@@ -378,12 +380,44 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
             '\noptimizer: {typ: "adamw"}\n',
             "run.hjson:2: unknown key optimizer.typ (did you mean 'type'?)",
         ),
+        (
+            'mesh: {dp: -1, pp: 2}\nparallel: {pp: "pp", pp_schedule: "zb"}\n',
+            "parallel.pp_schedule is one of",
+        ),
+        (
+            'mesh: {dp: -1, pp: 2}\nparallel: {pp: "pp"}\nprecision: {params: "fp16"}\n',
+            "parallel.pp with fp16: dynamic loss scaling would skip steps stage by stage",
+        ),
+        (
+            'mesh: {dp: -1, pp: 2}\nparallel: {pp: "pp"}\nbatch: {global: 16, accumulation: 2}\n',
+            "a pipeline accumulates over its own micro-batches; set parallel.pp_micro_batches",
+        ),
+        (
+            'mesh: {dp: -1, pp: 2, sp: 2}\nparallel: {pp: "pp", sp: "sp"}\n',
+            "pipeline stages with Ulysses sequence parallelism are not supported yet",
+        ),
     ],
 )
 def test_every_bad_value_is_a_typed_error_naming_file_line_and_key(text, message):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_text(text, "run.hjson")
     assert message in str(err.value)
+
+
+def test_a_pipeline_config_makes_its_schedule_and_an_optimizer_that_leaves_clipping_out():
+    run = RunConfig.from_text(
+        'mesh: {dp: -1, pp: 2}\nparallel: {pp: "pp", pp_schedule: "zbv", zero: 1}\n'
+        "optimizer: {clip_global_norm: 1.0}\n"
+    )
+    schedule = run.make_pipeline(4)
+    assert (len(schedule.ranks), schedule.stages, schedule.micro_batches) == (2, 4, 4)
+    assert RunConfig().make_pipeline(4) is None
+    with pytest.raises(ConfigError, match=r"clip with shardax\.pipeline\.clip_by_global_norm"):
+        run.make_optimizer()
+    plain = RunConfig.from_text("optimizer: {clip_global_norm: 1.0}\n").make_optimizer()
+    piped = run.make_optimizer(clip=False)  # clipping's place kept: the same state either way
+    params = {"w": torch.ones(2)}
+    assert optree.tree_structure(piped.init(params)) == optree.tree_structure(plain.init(params))
 
 
 def test_a_good_config_still_loads_with_its_types():

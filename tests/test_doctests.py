@@ -25,6 +25,7 @@ PUBLIC = [
     "shardax.ckpt",
     "shardax.data",
     "shardax.optim",
+    "shardax.pipeline",
 ]
 
 

@@ -149,10 +149,31 @@ def test_train_gpt_with_tensor_and_sequence_parallelism(tmp_path):
     assert index.leaves["params.blocks.0.attn.qkv.weight"].spec.axes == ("tp", "dp")
     idle = launch(
         "--nproc-per-node", "2", "examples/train_gpt.py", "--preset", "tiny", "--steps", "2",
-        "--mesh", "dp=1,pp=2",
+        "--mesh", "dp=1,ep=2",
     )  # fmt: skip
     assert idle.returncode == 2, idle.stdout + idle.stderr
-    assert "mesh axis 'pp' (size 2)" in idle.stderr and "is used by no preset" in idle.stderr
+    assert "mesh axis 'ep' (size 2)" in idle.stderr and "is used by no preset" in idle.stderr
+
+
+def test_train_gpt_with_a_pipeline(tmp_path):
+    """``--pp 2 --schedule 1f1b``: the blocks split over a pp axis, 4
+    micro-batches per step; the same global batch as the data-parallel
+    run, so the same losses up to the order of the sums; the checkpoint
+    holds the model's own key paths and global shapes, and the data-parallel
+    run resumes from it."""
+    _, dp = _train(tmp_path / "dp", tmp_path / "dp.jsonl")
+    stdout, pp = _train(tmp_path / "pp", tmp_path / "pp.jsonl", "--pp", "2", "--schedule", "1f1b")
+    assert "pipeline: 2 stages ((1, 1) blocks) on pp=2, 1f1b over 4 micro-batches" in stdout
+    for a, b in zip(pp, dp, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+    step3 = tmp_path / "pp" / "step-00000003"
+    index = sx.ckpt.read_index(step3)
+    assert index.leaves["params.wte.weight"].shape == (256, 64)
+    assert {p.split(".")[2] for p in index.leaves if p.startswith("params.blocks.")} == {"0", "1"}
+    stdout, resumed = _train(tmp_path / "b", tmp_path / "b.jsonl", "--resume", str(step3))
+    assert f"resumed from {step3} at step 3" in stdout
+    for got, want in zip(resumed, dp[3:], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
 
 @pytest.mark.slow  # the mechanism: tests/ckpt/test_resume_any_mesh.py (default run)

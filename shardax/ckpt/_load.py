@@ -324,7 +324,7 @@ def load(
     mesh: AbstractMesh | None = None,
     dtype: torch.dtype | str | None = None,
     device: Any = None,
-    strict: bool = True,
+    strict: bool | str = True,
     verify: bool = True,
     rng: bool | str = False,
 ) -> Any:
@@ -351,7 +351,9 @@ def load(
         strict: target keys missing from the checkpoint and saved keys not
             in the target are errors (listed together with shape
             mismatches); ``strict=False`` leaves missing leaves as they are
-            and ignores unexpected ones.
+            and ignores unexpected ones; ``strict="target"`` needs every
+            target key but skips the saved keys the target lacks (a pipeline
+            rank loads its stages' part of the model).
         verify: check checksums of the bytes read.
         rng: what becomes of this rank's RNG states (torch, CUDA, Python):
             ``"skip"`` (or False, the default) leaves them; ``"restore"``
@@ -406,8 +408,11 @@ def load(
             paths, _, leaves = flatten(target)
             missing = [p for p in paths if p not in index.leaves]
             unexpected = [p for p in index.leaves if p not in set(paths)]
+            if strict not in (True, False, "target"):
+                raise CheckpointError(f"strict is True, False or 'target'; got {strict!r}")
             if strict:
                 job.problems += [f"missing from the checkpoint: {p!r}" for p in missing]
+            if strict is True:
                 job.problems += [f"not in the target: {p!r}" for p in unexpected]
             reads = {p: x for p, x in zip(paths, leaves, strict=True) if p in index.leaves}
             for p, x in reads.items():

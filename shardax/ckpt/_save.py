@@ -48,6 +48,7 @@ from ._format import (
     dtype_name,
     write_index,
 )
+from ._owners import agree_on_owners
 from ._safetensors import write_safetensors
 
 __all__ = ["AsyncSave", "save", "save_async"]
@@ -109,12 +110,16 @@ def _sharded_boxes(path: str, x: Sharded, world: int) -> list[tuple[int, tuple, 
             "layout without partial axes before saving"
         )
     mesh = x.mesh
-    if mesh.world_size != world:
+    members = getattr(mesh, "members", None)  # a submesh (a pipeline stage's): its job ranks
+    if members is None and mesh.world_size != world:
         raise CheckpointError(
             f"{path!r} lives on {mesh!r} ({mesh.world_size} ranks) but the job has {world}; "
-            "save values on meshes over every rank"
+            "save values on meshes over every rank (or a submesh of one)"
         )
-    return distinct_boxes(x.layout, x.shape)
+    boxes = distinct_boxes(x.layout, x.shape)
+    if members is None:
+        return boxes
+    return [(members[owner], offsets, sizes) for owner, offsets, sizes in boxes]
 
 
 def distinct_boxes(layout: Layout, shape: tuple[int, ...]) -> list[tuple[int, tuple, tuple]]:
@@ -143,6 +148,7 @@ class _Plan:
     index: Index
     python_rng: Any
     timeout: float
+    spare: list[tuple[str, torch.Tensor]] = attrs.field(factory=list)
 
 
 def _rng_items(rank: int) -> tuple[list[tuple[str, torch.Tensor]], Any]:
@@ -169,6 +175,7 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             f"metadata must be JSON (dicts, lists, str, numbers, bool, None): {e}"
         ) from None
     items: list[tuple[str, torch.Tensor]] = []
+    spare: list[tuple[str, torch.Tensor]] = []  # plain tensors another rank may lack
     entries: dict[str, Any] = {}
     mesh: dict[str, int] = {}
     timeout = None
@@ -183,7 +190,8 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             boxes = _sharded_boxes(path, x, world)
             layout_mesh, spec, local = x.mesh.shape, x.spec, x.local
             # this rank's piece: one box, or one per block of a blocked dim
-            views = {o: v for o, _, v in x.layout.box_views(x.local, x.shape, rank)}
+            at = x.mesh.rank if isinstance(x.mesh, Mesh) else rank  # its place in the mesh
+            views = {o: v for o, _, v in x.layout.box_views(x.local, x.shape, at)}
             mesh = mesh or layout_mesh
             if isinstance(x.mesh, Mesh) and x.mesh.timeout is not None:
                 timeout = x.mesh.timeout
@@ -200,9 +208,11 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
         for owner, offsets, sizes in boxes:
             name = box_name(path, offsets)
             stored.append(Box(offsets, sizes, _file(owner, world), name))
-            if owner == rank:
+            if owner == rank or (spec is None and rank):  # plain: rank 0's, unless it lacks it
                 t = (views[offsets] if views else local).detach().contiguous()
-                items.append((name, t.to("cpu", copy=True) if copy else t))
+                (items if owner == rank else spare).append(
+                    (name, t.to("cpu", copy=True) if copy else t)
+                )
         try:
             dtype = dtype_name(local.dtype)
         except CheckpointError as e:
@@ -215,7 +225,7 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
         rng_items, python_rng = _rng_items(rank)
         items += [(n, t.clone()) for n, t in rng_items]
     index = Index(mesh, world, meta, entries, dict(zip(paths, keys, strict=True)))
-    return _Plan(rank, world, items, index, python_rng, _timeout_seconds(timeout))
+    return _Plan(rank, world, items, index, python_rng, _timeout_seconds(timeout), spare)
 
 
 class _Store:
@@ -252,7 +262,9 @@ class _Store:
         """Delete this save's keys (rank 0, once every rank is past them)."""
         if self.store is None:
             return
-        for key in ["ready", "done", *(f"rank{r}" for r in range(self.world))]:
+        per_rank = ("rank", "digest", "tree")
+        keys = [f"{k}{r}" for k in per_rank for r in range(self.world)]
+        for key in ["ready", "done", "merged", *keys]:
             try:
                 self.store.delete_key(self.prefix + key)
             except Exception:  # a store without deletion keeps them: harmless
@@ -393,6 +405,8 @@ def _write(p: _Plan, final: Path, seq: int, on_commit: Callable[[], None] | None
             raise CheckpointError(f"checkpoint save to {final} failed on rank 0: {ready[7:]}")
     mine = _file(p.rank, p.world)
     try:
+        index, items = agree_on_owners(p.index, p.items, p.spare, p.rank, p.world, store, mine)
+        p = attrs.evolve(p, index=index, items=items, spare=[])
         sums = write_safetensors(tmp / mine, p.items) if p.items else {}
         rng = {n: list(t.shape) for n, t in p.items if n.startswith(RNG_PREFIX)}
         report: dict[str, Any] = {"sums": sums, "rng": rng, "python": p.python_rng}

@@ -40,6 +40,8 @@ from ._backend import backend_names as backend_names
 from ._backend import get_backend as get_backend
 from ._ops import chunk_sizes as chunk_sizes
 from ._ops import transpose as transpose
+from ._p2p import recv as recv
+from ._p2p import send as send
 from ._traffic import Traffic as Traffic
 from ._traffic import traffic as traffic
 
@@ -66,6 +68,8 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "recv",
+    "send",
     "traffic",
     "transpose",
 ]

@@ -185,7 +185,7 @@ class _Recorder:
     def broadcast(self, x: torch.Tensor, root: int, group: Group) -> None:
         self._set("broadcast", x, root=root)
 
-    def send_recv(self, sends: Any, recvs: Any, group: Group) -> None:
+    def send_recv(self, sends: Any, recvs: Any, group: Group, tag: int = 0) -> None:
         tensors = [t for _, t in sends] + [t for _, t in recvs]
         x = tensors[0] if tensors else torch.empty(0)
         self._set("send_recv", x)

@@ -109,8 +109,11 @@ class Backend(Protocol):
         sends: Sequence[tuple[int, torch.Tensor]],
         recvs: Sequence[tuple[int, torch.Tensor]],
         group: Group,
+        tag: int = 0,
     ) -> Pending:
-        """Point to point, all at once: ``(member, tensor)`` pairs."""
+        """Point to point, all at once: ``(member, tensor)`` pairs. Messages
+        between two members match in order per ``tag`` (backends without
+        tags, NCCL, match them in order)."""
         ...
 
     def barrier(self, group: Group) -> Pending:

@@ -229,11 +229,12 @@ class CupyBackend:
         sends: Sequence[tuple[int, torch.Tensor]],
         recvs: Sequence[tuple[int, torch.Tensor]],
         group: Group,
+        tag: int = 0,
     ) -> Pending:
         tensors = [t for _, t in sends] + [t for _, t in recvs]
         if not self.covers(*tensors):
-            return self.fallback.send_recv(sends, recvs, group)
-        from cupy.cuda import nccl
+            return self.fallback.send_recv(sends, recvs, group, tag)
+        from cupy.cuda import nccl  # NCCL has no tags: messages match in order
 
         comm, stream = self._comm(group), self._stream()
         nccl.groupStart()

@@ -596,8 +596,9 @@ class ShmBackend:
         sends: Sequence[tuple[int, torch.Tensor]],
         recvs: Sequence[tuple[int, torch.Tensor]],
         group: Group,
+        tag: int = 0,
     ) -> Pending:
-        return self._fallback().send_recv(sends, recvs, group)
+        return self._fallback().send_recv(sends, recvs, group, tag)
 
     def barrier(self, group: Group) -> Pending:
         seg = self._segment(group)

@@ -131,9 +131,10 @@ class TorchBackend:
         sends: Sequence[tuple[int, torch.Tensor]],
         recvs: Sequence[tuple[int, torch.Tensor]],
         group: Group,
+        tag: int = 0,
     ) -> Pending:
-        ops = [dist.P2POp(dist.isend, t, group.members[m], group=group.pg) for m, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, group.members[m], group=group.pg) for m, t in recvs]
+        ops = [dist.P2POp(dist.isend, t, group.members[m], group.pg, tag) for m, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group.members[m], group.pg, tag) for m, t in recvs]
         return Pending(dist.batch_isend_irecv(ops) if ops else [])
 
     def barrier(self, group: Group) -> Pending:

@@ -162,10 +162,12 @@ class _Counting:
         self._add(_nbytes(x))
         return self._backend.broadcast(x, root, group)
 
-    def send_recv(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Any, group: Group) -> Any:
+    def send_recv(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Any, group: Group, tag: int = 0
+    ) -> Any:
         n = len(self._group.members)
         self._add(sum(_nbytes(t) for _, t in sends), ring=n / max(n - 1, 1))  # sent as is
-        return self._backend.send_recv(sends, recvs, group)
+        return self._backend.send_recv(sends, recvs, group, tag)
 
     def barrier(self, group: Group) -> Any:
         return self._backend.barrier(group)

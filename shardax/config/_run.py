@@ -87,7 +87,7 @@ class RunConfig:
             )
         p, axes = self.parallel, sorted(self.mesh)
         named = [("parallel.zero_axis", p.zero_axis if p.zero else None),
-                 ("parallel.tp", p.tp), ("parallel.sp", p.sp)]  # fmt: skip
+                 ("parallel.tp", p.tp), ("parallel.sp", p.sp), ("parallel.pp", p.pp)]  # fmt: skip
         for key, axis in named:
             if axis is not None and axis not in self.mesh:
                 close = difflib.get_close_matches(axis, axes, n=1, cutoff=0.5)
@@ -96,14 +96,29 @@ class RunConfig:
                     f"{key} names mesh axis {axis!r}{hint}, but the mesh {self.mesh} has axes "
                     f"{axes}; add it to mesh or name one of those"
                 )
-        used = {p.zero_axis, p.tp, p.sp}  # the data axis splits the batch even at ZeRO-0
+        used = {p.zero_axis, p.tp, p.sp, p.pp}  # the data axis splits the batch even at ZeRO-0
         idle = [a for a, n in self.mesh.items() if n != 1 and a not in used]
         if idle:
             raise ConfigError(
                 f"mesh axis {idle[0]!r} (size {self.mesh[idle[0]]}) of {self.mesh} is used by no "
                 f"preset: its ranks would only repeat each other's work. Name it as "
-                f"parallel.tp (tensor parallelism) or parallel.sp (Ulysses), make it the "
-                f"data axis (parallel.zero_axis), or give it size 1"
+                f"parallel.tp (tensor parallelism), parallel.sp (Ulysses) or parallel.pp "
+                f"(pipeline), make it the data axis (parallel.zero_axis), or give it size 1"
+            )
+        if p.pp is not None:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What a pipeline (``parallel.pp``) cannot be combined with yet."""
+        if self.precision.params == "fp16":
+            raise ConfigError(
+                "parallel.pp with fp16: dynamic loss scaling would skip steps stage by stage "
+                "(an overflow seen by one stage only); use bf16 or fp32 with a pipeline"
+            )
+        if self.batch.accumulation not in (None, 1):
+            raise ConfigError(
+                f"parallel.pp with batch.accumulation {self.batch.accumulation}: a pipeline "
+                "accumulates over its own micro-batches; set parallel.pp_micro_batches instead"
             )
 
     @classmethod
@@ -228,11 +243,22 @@ class RunConfig:
             )
         return _warmup_then(s, peak, total)
 
-    def make_optimizer(self, accumulation: int = 1) -> Any:
-        """The optimizer on :meth:`make_schedule`: clipping first, fp32
-        master weights for bf16/fp16 params, :func:`optim.MultiSteps` over
-        ``accumulation`` micro-steps."""
+    def make_optimizer(self, accumulation: int = 1, *, clip: bool = True) -> Any:
+        """The optimizer on :meth:`make_schedule`: clipping first (``clip``),
+        fp32 master weights for bf16/fp16 params, :func:`optim.MultiSteps`
+        over ``accumulation`` micro-steps.
+
+        Under a pipeline (``parallel.pp``) each rank holds its stages'
+        gradients only: clip them with ``pipeline.clip_by_global_norm``
+        (the whole model's norm) and pass ``clip=False``."""
         from .. import optim
+
+        if clip and self.parallel.pp is not None and self.optimizer.clip_global_norm:
+            raise ConfigError(
+                "optimizer.clip_global_norm under parallel.pp: an optimizer sees one rank's "
+                "stages; clip with shardax.pipeline.clip_by_global_norm (the whole model's "
+                "norm) and make the optimizer with make_optimizer(clip=False)"
+            )
 
         o, lr = self.optimizer, self.make_schedule()
         b1, b2 = o.betas
@@ -248,13 +274,27 @@ class RunConfig:
             "lamb": lambda: optim.lamb(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
         }
         opt = makers[o.type]()
-        if o.clip_global_norm:
-            opt = optim.chain(optim.clip_by_global_norm(o.clip_global_norm), opt)
+        if o.clip_global_norm:  # unclipped, its place kept: the same state either way
+            clipping = optim.clip_by_global_norm(o.clip_global_norm) if clip else optim.identity()
+            opt = optim.chain(clipping, opt)
         if self.precision.params != "fp32" and self.precision.master_weights:
             opt = optim.with_master_weights(opt)
         if accumulation > 1:
             opt = optim.MultiSteps(opt, accumulation)
         return opt
+
+    def make_pipeline(self, world_size: int) -> Any:
+        """The pipeline schedule (``parallel.pp_schedule`` over the ``pp``
+        axis's ranks, ``pp_micro_batches`` or twice as many), or None
+        without ``parallel.pp``."""
+        from .. import pipeline
+
+        p = self.parallel
+        if p.pp is None:
+            return None
+        ranks = self.abstract_mesh(world_size).size(p.pp)
+        micro = p.pp_micro_batches or 2 * ranks
+        return pipeline.schedule(p.pp_schedule, ranks, micro, virtual=p.pp_virtual)
 
     def make_loss_scale(self) -> Any:
         """A :class:`optim.DynamicLossScale` for fp16 (fixed when

@@ -13,6 +13,7 @@ import attrs
 from ..errors import ConfigError
 from ._fields import (
     OPTIMIZERS,
+    PP_SCHEDULES,
     PRECISIONS,
     SCHEDULES,
     WRITERS,
@@ -33,14 +34,23 @@ from ._hjson import _first_key, _keyed, _unknown
 class ParallelConfig:
     """Which presets shard the model: ``zero`` (0–3) over ``zero_axis``;
     ``tp`` — the mesh axis of ``rules.megatron`` (``sequence_parallel`` for
-    Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``bucket_bytes``
-    of gradient reductions; ``prefetch`` of ZeRO-3 gathers."""
+    Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``pp`` — the
+    pipeline axis, run by the ``pp_schedule`` generator (``pipeline.<name>``)
+    over ``pp_micro_batches`` micro-batches (None: twice the stages) with
+    ``pp_virtual`` stages per rank where the schedule takes several;
+    ``bucket_bytes`` of gradient reductions; ``prefetch`` of ZeRO-3 gathers."""
 
     zero: int = attrs.field(default=0, converter=_as_int("zero"))
     zero_axis: str = attrs.field(default="dp", converter=_as_str("zero_axis"))
     tp: str | None = attrs.field(default=None, converter=_optional(_as_str, "tp"))
     sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
     sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
+    pp: str | None = attrs.field(default=None, converter=_optional(_as_str, "pp"))
+    pp_schedule: str = attrs.field(default="1f1b", validator=_in(PP_SCHEDULES))
+    pp_micro_batches: int | None = attrs.field(
+        default=None, converter=_optional(_as_int, "pp_micro_batches"), validator=_positive
+    )
+    pp_virtual: int = attrs.field(default=2, converter=_as_int("pp_virtual"), validator=_positive)
     bucket_bytes: int = attrs.field(
         default=25 * 2**20, converter=_as_int("bucket_bytes"), validator=_positive
     )
@@ -51,6 +61,11 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero is a ZeRO stage 0..3; got {self.zero!r}")
         if self.sequence_parallel and self.tp is None:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp (the tensor axis)")
+        if self.pp is not None and self.sp is not None:
+            raise ConfigError(
+                "parallel.pp with parallel.sp: pipeline stages with Ulysses sequence parallelism "
+                "are not supported yet; use one of them (or tensor parallelism with pp)"
+            )
 
 
 @attrs.frozen

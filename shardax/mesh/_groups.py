@@ -237,7 +237,7 @@ def create_groups(mesh: Mesh) -> None:
         state = PGState(pg, mine, timeout)
         for setup in _SETUP:  # in step on every rank: see GroupSetup
             state.comm = setup(state)
-        cache[key] = state
+        cache[key] = cache[_block_key(mine, mesh.timeout)] = state
 
 
 def _everyone_builds(mesh: Mesh, build: int, timeout: float) -> None:
@@ -275,18 +275,25 @@ def _everyone_builds(mesh: Mesh, build: int, timeout: float) -> None:
 def group_along(mesh: Mesh, axes: tuple[str, ...]) -> Group:
     """This rank's group along ``axes`` of ``mesh`` (no communication)."""
     label = f"axes {axes!r} of {mesh!r}" if len(axes) != 1 else f"axis {axes[0]!r} of {mesh!r}"
+    me = mesh.global_rank()
     if mesh.size(axes) == 1 or not dist.is_initialized():
-        return Group((mesh.rank,), mesh.rank, None, label, axes)
+        return Group((me,), me, None, label, axes)
     cache = _CACHE.setdefault(dist.group.WORLD, {})
-    memo = ("group", mesh.axis_names, mesh.axis_sizes, axes, mesh.timeout)
+    memo = ("group", mesh.axis_names, mesh.axis_sizes, mesh.members, axes, mesh.timeout)
     group = cache.get(memo)
     if group is None:
-        key = _partition_key(mesh, tuple(a for a in axes if mesh.size(a) > 1))
-        state = cache.get(key)
+        members = tuple(mesh.global_rank(r) for r in mesh.ranks_along(axes))
+        state = cache.get(_block_key(members, mesh.timeout))
         if state is None:
             raise MeshError(
-                f"{mesh!r} has no process groups on rank {mesh.rank}: it was built before "
+                f"{mesh!r} has no process groups on rank {me}: it was built before "
                 "torch.distributed was initialized, or in another job; build meshes after shardax.init()"
             )
-        group = cache[memo] = Group(mesh.ranks_along(axes), mesh.rank, state, label, axes)
+        group = cache[memo] = Group(members, me, state, label, axes)
     return group
+
+
+def _block_key(members: tuple[int, ...], timeout: float | None) -> tuple[Any, ...]:
+    """The cache key of the process group of exactly the ranks ``members``
+    (any order), made by whichever mesh made it first."""
+    return ("block", tuple(sorted(members)), timeout)

@@ -244,6 +244,7 @@ class Mesh(AbstractMesh):
 
     timeout: float | None = attrs.field(eq=False)
     rank: int = attrs.field(eq=False)
+    members: tuple[int, ...] | None = attrs.field(default=None)
 
     def __init__(self, shape: Mapping[str, int], *, timeout: float | None = None) -> None:
         rank, world = _process_rank_and_world()
@@ -252,6 +253,37 @@ class Mesh(AbstractMesh):
             raise MeshError(f"timeout must be positive seconds; got {timeout!r}")
         self.__attrs_init__(names, sizes, timeout, rank)
         create_groups(self)
+
+    def global_rank(self, rank: int | None = None) -> int:
+        """The job rank of grid position ``rank`` (this rank's when None):
+        the same number on a mesh over the whole job; on a :meth:`submesh`,
+        its ``members[rank]``."""
+        at = self.rank if rank is None else rank
+        return at if self.members is None else self.members[at]
+
+    def submesh(self, axes: str | Iterable[str]) -> Mesh:
+        """The mesh of this rank's group along ``axes`` (the other axes held
+        at this rank's coordinates): torch's ``device_mesh["dp", "tp"]``. Its
+        grid positions are its own (``rank`` is this rank's position there,
+        ``members`` the job ranks in grid order) and its process groups are
+        this mesh's, made when this mesh was built: no communication, no
+        group created. A pipeline stage's parameters live on the submesh of
+        the axes other than ``pp``.
+
+        >>> Mesh({"dp": 1, "pp": 1}).submesh("dp")
+        Mesh({'dp': 1}, members=(0,))
+        """
+        names = self.check_axes(axes)
+        members = tuple(self.global_rank(r) for r in self.ranks_along(names))
+        sizes = tuple(self.size(a) for a in names)
+        sub = Mesh.__new__(Mesh)
+        sub.__attrs_init__(names, sizes, self.timeout, members.index(self.global_rank()), members)
+        return sub
+
+    def __repr__(self) -> str:
+        if self.members is None:
+            return super().__repr__()
+        return f"Mesh({self.shape!r}, members={self.members!r})"
 
     def axis_index(self, axes: str | Iterable[str], rank: int | None = None) -> int:  # type: ignore[override]
         """This rank's index along ``axes`` (mixed radix, first axis major)."""

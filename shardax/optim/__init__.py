@@ -82,6 +82,7 @@ from ._transforms import ScaleByScheduleState as ScaleByScheduleState
 from ._transforms import ScaleByStddevState as ScaleByStddevState
 from ._transforms import TraceState as TraceState
 from ._transforms import add_decayed_weights as add_decayed_weights
+from ._transforms import identity as identity
 from ._transforms import scale as scale
 from ._transforms import scale_by_adam as scale_by_adam
 from ._transforms import scale_by_learning_rate as scale_by_learning_rate
@@ -134,6 +135,7 @@ __all__ = [
     "cosine_decay_schedule",
     "fused_step",
     "global_norm",
+    "identity",
     "inject_hyperparams",
     "lamb",
     "linear",

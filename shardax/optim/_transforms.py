@@ -37,6 +37,7 @@ __all__ = [
     "ScaleByStddevState",
     "TraceState",
     "add_decayed_weights",
+    "identity",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
@@ -57,6 +58,23 @@ __all__ = [
 # gradients, not anyone's state (so never after ``trace``) — and it writes
 # them in place. The chain as a whole stays pure; the pure path of AdamW
 # allocates two fewer parameter-sized buffers per step.
+
+
+def identity() -> GradientTransformation:
+    """The updates as they are (optax's ``identity``): a placeholder that
+    keeps a chain's state the same shape when a stage of it is done
+    elsewhere — under a pipeline, clipping by the whole model's norm.
+
+    >>> import torch
+    >>> from shardax import optim
+    >>> optim.identity().update([torch.ones(2)], optim.EmptyState())
+    ([tensor([1., 1.])], EmptyState())
+    """
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        return updates, state
+
+    return transformation(lambda params: EmptyState(), update)
 
 
 def scale(step_size: float, *, _owned: bool = False) -> GradientTransformation:

@@ -6,7 +6,9 @@ done (``comm`` later where that came from another rank). :func:`validate`
 checks the schedule's shape first, then simulates it with unit costs: a
 schedule that cannot finish is a :class:`~shardax.errors.ScheduleError`
 naming, for each stuck rank, the action it waits at and what it waits for
-— where other libraries hang.
+— where other libraries hang. Last, it checks that between any two ranks
+each rank receives activations and gradients in the order the other sends
+them ("crossed sends", which hang where messages are matched in order).
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ class Timeline:
 def validate(schedule: Schedule) -> Timeline:
     """Check ``schedule``: every action on the rank of its stage, within
     the stages and micro-batches; every (stage, micro-batch) forwarded once
-    and backwarded once (``B``, or ``I`` then ``W``); and every rank able
-    to run its list to the end. Returns the unit-cost :class:`Timeline`;
+    and backwarded once (``B``, or ``I`` then ``W``); every rank able
+    to run its list to the end; and, between any two ranks, the activations
+    (and the gradients) sent one way needed in the order they are sent.
+    Returns the unit-cost :class:`Timeline`;
     else a :class:`~shardax.errors.ScheduleError` naming the first bad
     action.
 
@@ -95,7 +99,43 @@ def validate(schedule: Schedule) -> Timeline:
             f"stage {s}, micro-batch {m}: the schedule has {' '.join(sorted(have)) or 'nothing'}; "
             f"it needs {fix}"
         )
-    return simulate(schedule, UNIT)
+    timeline = simulate(schedule, UNIT)
+    _check_channels(schedule)
+    return timeline
+
+
+def _check_channels(schedule: Schedule) -> None:
+    """Messages of one kind from one rank to another are received in the
+    order they are sent (the executor's and most libraries' matching): the
+    sender's ``F`` (``B``/``I``) that feed the receiver run in the order of
+    the receiver's actions that need them."""
+    n = len(schedule.ranks)
+    for src, dst in ((a, b) for a in range(n) for b in range(n) if a != b):
+        for what, kinds, step in (("activation", ("F",), 1), ("gradient", ("B", "I"), -1)):
+            sent = _toward(schedule, src, dst, kinds, step)
+            taken = _toward(schedule, dst, src, kinds, -step)
+            for k, (out, into) in enumerate(zip(sent, taken, strict=True)):
+                if (out.stage + step, out.micro) != (into.stage, into.micro):
+                    raise ScheduleError(
+                        f"crossed sends from rank {src} to rank {dst}: {what} {k + 1} leaves "
+                        f"rank {src} from {out}, but rank {dst} needs {what} {k + 1} at {into}; "
+                        f"messages between two ranks are matched in the order sent (other "
+                        f"libraries hang here): run rank {dst}'s actions that need rank {src}'s "
+                        f"{what}s in the order rank {src} sends them"
+                    )
+
+
+def _toward(
+    schedule: Schedule, rank: int, peer: int, kinds: tuple[str, ...], step: int
+) -> list[Action]:
+    """``rank``'s actions of ``kinds`` whose stage ``+ step`` is on ``peer``."""
+    return [
+        a
+        for a in schedule.ranks[rank]
+        if a.kind in kinds
+        and 0 <= a.stage + step < schedule.stages
+        and schedule.stage_rank[a.stage + step] == peer
+    ]
 
 
 def simulate(schedule: Schedule, costs: Mapping[str, float], *, comm: float = 0.0) -> Timeline:
@@ -109,7 +149,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float], *, comm: float = 0.
     >>> t.makespan, round(t.bubble, 4), 3 / 11
     (33.0, 0.2727, 0.2727272727272727)
     """
-    for kind in {a.kind for row in schedule.ranks for a in row}:
+    for kind in sorted({a.kind for row in schedule.ranks for a in row}):
         cost = costs.get(kind)
         if not isinstance(cost, int | float) or isinstance(cost, bool) or cost < 0:
             raise ScheduleError(f"costs[{kind!r}] is a number of seconds >= 0; got {cost!r}")

@@ -33,7 +33,18 @@ from ._regather import Regather
 from ._sharded import Sharded
 from ._transfer import Batch, transfer, transfer_many
 
-__all__ = ["apply"]
+__all__ = ["StopForward", "apply"]
+
+
+class StopForward(Exception):
+    """Raised by a hook inside :func:`apply`'s forward to end it early:
+    ``apply`` returns ``value`` (a pipeline stage's output, the rest of the
+    model being other stages'), its gathers released as at a normal end."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__("forward stopped early")
+        self.value = value
+
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 Units = str | Callable[[str, nn.Module], bool] | None
@@ -287,11 +298,14 @@ def apply(
             hooks.append(unit.module.register_forward_pre_hook(_pre(run, unit)))
             hooks.append(unit.module.register_forward_hook(_post(run, unit), always_call=True))
         run.enter(run.units[0])
-        if regather is not None:
-            with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+        try:
+            if regather is not None:
+                with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+                    out = model(*args, **kwargs)
+            else:
                 out = model(*args, **kwargs)
-        else:
-            out = model(*args, **kwargs)
+        except StopForward as stop:
+            out = stop.value
         run.leave(run.units[0])
     finally:
         for h in hooks:

@@ -47,11 +47,13 @@ class _Lift(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor, sink: Any) -> torch.Tensor:
         ctx.sink = sink
+        ctx.set_materialize_grads(False)  # no gradient reached it: nothing to hand on
         return value.view_as(value)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None, None]:
-        ctx.sink(g)
+    def backward(ctx: Any, g: torch.Tensor | None) -> tuple[None, None, None]:
+        if g is not None:
+            ctx.sink(g)
         return None, None, None
 
 
@@ -59,19 +61,24 @@ class _Slot:
     """One tracked parameter and its reduced gradient (no reference back to
     the tape: no cycle keeps gradients alive after the call)."""
 
-    __slots__ = ("grad", "leaf", "path", "reducer")
+    __slots__ = ("grad", "held", "leaf", "path", "reducer", "sink")
 
-    def __init__(self, reducer: Reducer, path: str, leaf: Any) -> None:
+    def __init__(self, reducer: Reducer, path: str, leaf: Any, accumulate: bool) -> None:
         self.reducer, self.path, self.leaf = reducer, path, leaf
         self.grad: torch.Tensor | None = None
+        self.held: torch.Tensor | None = None  # contributions summed here, reduced at flush
+        self.sink = self.hold if accumulate else self.reduce
 
     def add(self, g: torch.Tensor) -> None:
         self.grad = g if self.grad is None else self.grad + g
 
-    def sink(self, g: torch.Tensor) -> None:
+    def reduce(self, g: torch.Tensor) -> None:
         x = self.leaf
         compute = role_layout(x, "compute")
         self.reducer.add(g, compute.dual(), role_layout(x, "grads"), x.shape, self.add)
+
+    def hold(self, g: torch.Tensor) -> None:
+        self.held = g if self.held is None else self.held + g
 
 
 class Tape:
@@ -86,9 +93,10 @@ class Tape:
     reductions, and :func:`apply` the gathers (forward and backward).
     """
 
-    def __init__(self, reducer: Reducer) -> None:
+    def __init__(self, reducer: Reducer, *, accumulate: bool = False) -> None:
         self.anchor = torch.zeros((), requires_grad=True)
         self.reducer = reducer
+        self.accumulate = accumulate
         self.slots: dict[int, _Slot] = {}
         self._deferred: list[Callable[[], None]] = []
 
@@ -104,7 +112,7 @@ class Tape:
                 t = Sharded(
                     x.local.detach().requires_grad_(), x.layout, x.shape, placement=x.placement
                 )
-                self.slots[id(t)] = _Slot(self.reducer, path, t)
+                self.slots[id(t)] = _Slot(self.reducer, path, t, self.accumulate)
             elif isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
                 t = x.detach().requires_grad_()
             else:
@@ -129,10 +137,17 @@ class Tape:
         self._deferred.append(done)
 
     def finish(self) -> None:
-        """Run what was deferred, then finish the reductions."""
+        """Run what was deferred, then finish the reductions — with
+        ``accumulate``, first reduce each parameter's summed contributions
+        once (a pipeline's micro-batches: one reduction per step, not per
+        micro-batch), in tracking order, the same on every rank."""
         deferred, self._deferred = self._deferred, []
         for done in deferred:
             done()
+        for slot in self.slots.values():
+            if slot.held is not None:
+                held, slot.held = slot.held, None
+                slot.reduce(held)
         self.reducer.finish()
 
 

@@ -1,0 +1,243 @@
+"""Splitting a model into pipeline stages, without rewriting it.
+
+A transformer is an embedding, a list of blocks, and a head: every model we
+meet (the example GPT's ``blocks``, Hugging Face GPT-2's ``transformer.h``,
+Llama's ``model.layers``) keeps its blocks in one ``nn.ModuleList`` and
+calls them in order. :func:`split` cuts that list into consecutive runs of
+blocks, one per stage. Everything outside the list (embeddings, final norm,
+head, rotary tables: the *outer* parameters) lives on the first and the
+last stage, which both run the model's own code around the blocks; the
+gradients the two compute for them are summed. Nothing of the model is
+traced or rewritten: whatever its blocks take besides the hidden state
+(masks, positions, rotary embeddings) is recomputed by each stage from
+the inputs, so only the hidden state crosses between stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from ..errors import ScheduleError
+from ._schedule import Schedule
+
+__all__ = ["Stages", "split"]
+
+
+def _counts(value: Iterable[int]) -> tuple[int, ...]:
+    counts = tuple(value)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ScheduleError(f"Stages: each stage has a whole number >= 1 of blocks; got {counts!r}")
+    return counts
+
+
+@attrs.frozen
+class Stages:
+    """How a model's blocks are cut: stage ``s`` runs blocks
+    ``starts[s] .. starts[s] + counts[s] - 1`` of the ``nn.ModuleList`` at
+    ``blocks`` (a module path); the first and the last stage also hold the
+    outer parameters. ``shared``: outer tensors every stage holds — the
+    buffers (rotary tables) and any outer parameter whose value reaches the
+    blocks other than through the hidden state (a relative-position bias).
+
+    >>> from shardax.pipeline import Stages
+    >>> s = Stages("blocks", (2, 2))
+    >>> s.block_range(1), s.stage_of("blocks.3.attn.qkv.weight"), s.stage_of("wte.weight")
+    (range(2, 4), 1, None)
+    """
+
+    blocks: str
+    counts: tuple[int, ...] = attrs.field(converter=_counts)
+    shared: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def stages(self) -> int:
+        return len(self.counts)
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(self.counts)
+
+    def block_range(self, stage: int) -> range:
+        start = sum(self.counts[:stage])
+        return range(start, start + self.counts[stage])
+
+    def stage_of(self, key: str) -> int | None:
+        """The stage of the block parameter ``key``; None for an outer one."""
+        prefix = self.blocks + "."
+        if not key.startswith(prefix):
+            return None
+        index = int(key[len(prefix) :].split(".", 1)[0])
+        start = 0
+        for s, n in enumerate(self.counts):
+            if index < start + n:
+                return s
+            start += n
+        raise ScheduleError(f"{key!r}: block {index} is past the {self.n_blocks} blocks split")
+
+    def held(self, key: str, stages: Iterable[int]) -> bool:
+        """Whether a rank running ``stages`` holds parameter ``key``."""
+        mine = set(stages)
+        s = self.stage_of(key)
+        if key in self.shared:
+            return True
+        if s is None:
+            return bool(mine & {0, self.stages - 1})
+        return s in mine
+
+    def local(self, params: Mapping[str, Any], schedule: Schedule, rank: int) -> dict[str, Any]:
+        """The entries of ``params`` that pipeline rank ``rank`` holds under
+        ``schedule`` (the stages placed on it)."""
+        self.check(schedule)
+        mine = [s for s, r in enumerate(schedule.stage_rank) if r == rank]
+        return {k: v for k, v in params.items() if self.held(k, mine)}
+
+    def check(self, schedule: Schedule) -> None:
+        if schedule.stages != self.stages:
+            raise ScheduleError(
+                f"the model is split into {self.stages} stages but the schedule runs "
+                f"{schedule.stages} (split(model, {schedule.stages}, ...), or a schedule "
+                f"for {self.stages} stages)"
+            )
+
+
+def find_blocks(model: nn.Module) -> str:
+    """The path of the model's longest ``nn.ModuleList`` (its blocks)."""
+    best: tuple[int, str] | None = None
+    for path, module in model.named_modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module)
+            and (best is None or len(module) > best[0])
+        ):
+            best = (len(module), path)
+    if best is None:
+        raise ScheduleError(
+            f"{type(model).__name__} has no nn.ModuleList of blocks to split into stages; "
+            "name one with split(..., blocks='path.to.blocks')"
+        )
+    return best[1]
+
+
+def split(
+    model: nn.Module,
+    stages: int,
+    *,
+    blocks: str | None = None,
+    balance: str | Sequence[int] = "layers",
+    shared: Iterable[str] = (),
+) -> Stages:
+    """Cut ``model``'s blocks into ``stages`` consecutive runs.
+
+    Args:
+        model: the model (on ``meta`` is fine: only shapes are read).
+        stages: how many stages (a schedule's ``stages``: ranks × virtual
+            stages per rank).
+        blocks: the path of the ``nn.ModuleList`` of blocks; None: the
+            model's longest one.
+        balance: ``"layers"`` (the same number of blocks per stage: they
+            must divide evenly), ``"params"`` (consecutive runs with the
+            fewest parameters on the busiest stage, the outer parameters
+            counted on the first and last stage), or the number of blocks of
+            each stage.
+        shared: outer parameters every stage needs besides the buffers
+            (which every stage holds): those whose values reach the blocks
+            other than through the hidden state. Their gradients are summed
+            over the pipeline.
+
+    >>> import torch, shardax as sx
+    >>> model = torch.nn.Sequential(torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(6)))
+    >>> sx.pipeline.split(model, 3)
+    Stages(blocks='0', counts=(2, 2, 2), shared=())
+    >>> sx.pipeline.split(model, 4)
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ScheduleError: 6 blocks do not split evenly into 4 stages; use 1, 2, 3 or 6 stages, balance='params', or give each stage's count (balance=[2, 2, 1, 1])
+    """
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ScheduleError(f"split: stages is an int >= 1; got {stages!r}")
+    path = find_blocks(model) if blocks is None else blocks
+    try:
+        container = model.get_submodule(path)
+    except AttributeError as err:
+        raise ScheduleError(f"split: the model has no module {path!r} ({err})") from None
+    if not isinstance(container, nn.ModuleList):
+        raise ScheduleError(
+            f"split: {path!r} is a {type(container).__name__}, not an nn.ModuleList"
+        )
+    n = len(container)
+    prefix = path + "."
+    common = tuple(k for k, _ in model.named_buffers() if not k.startswith(prefix))
+    common += tuple(k for k in shared if k not in common)
+    if stages > n:
+        raise ScheduleError(f"{n} blocks cannot fill {stages} stages (at most {n}: one block each)")
+    if balance == "layers":
+        if n % stages:
+            fits = [d for d in range(1, n + 1) if n % d == 0]
+            even = [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
+            raise ScheduleError(
+                f"{n} blocks do not split evenly into {stages} stages; use "
+                f"{', '.join(map(str, fits[:-1]))} or {fits[-1]} stages, balance='params', or "
+                f"give each stage's count (balance={even})"
+            )
+        return Stages(path, (n // stages,) * stages, common)
+    if balance == "params":
+        return Stages(path, _by_params(model, path, container, stages), common)
+    if isinstance(balance, str):
+        raise ScheduleError(
+            f"split: balance is 'layers', 'params' or a list of counts; got {balance!r}"
+        )
+    counts = _counts(balance)
+    if len(counts) != stages or sum(counts) != n:
+        raise ScheduleError(
+            f"split: balance={list(counts)} must give {stages} counts summing to the {n} blocks"
+        )
+    return Stages(path, counts, common)
+
+
+def _by_params(
+    model: nn.Module, path: str, container: nn.ModuleList, stages: int
+) -> tuple[int, ...]:
+    """Consecutive runs minimising the largest stage's parameter count."""
+    sizes = [sum(p.numel() for p in b.parameters()) for b in container]
+    inside = {id(p) for p in container.parameters()}
+    outer = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    n = len(sizes)
+
+    def fits(limit: float) -> tuple[int, ...] | None:
+        counts, load, count = [], float(outer if stages > 1 else 2 * outer), 0
+        for i, size in enumerate(sizes):
+            left = n - i  # blocks left, including this one
+            if count and (load + size > limit or left < stages - len(counts)):
+                counts.append(count)
+                load, count = (outer if len(counts) == stages - 1 else 0.0), 0
+            load += size
+            count += 1
+            if load > limit:
+                return None
+        counts.append(count)
+        return tuple(counts) if len(counts) == stages else None
+
+    lo, hi = float(max(sizes)), float(sum(sizes) + 2 * outer)
+    best = fits(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = fits(mid)
+        if got is not None:
+            best, hi = got, mid
+        else:
+            lo = mid
+    if best is None:  # pragma: no cover - hi always fits
+        raise ScheduleError(f"split: could not balance {n} blocks over {stages} stages")
+    return best
+
+
+def stand_in(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` that takes no memory: what a stage passes for
+    the parameters of blocks it skips and of outer modules it only runs to
+    recompute what its blocks take (their outputs are replaced)."""
+    return torch.zeros((), dtype=dtype).expand(tuple(shape))

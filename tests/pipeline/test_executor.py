@@ -1,0 +1,285 @@
+"""The pipeline executor against the single-process model: 5 AdamW steps of
+the tiny example GPT, split by ``pipeline.split`` and run by each schedule
+on real gloo ranks, match ``torch.optim.AdamW`` on the whole model — loss
+and every parameter to 1e-5 — on pp=2 and pp=4, dp=2 × pp=2 under ZeRO,
+and pp=2 × tp=2; split backwards defer exactly the linears' weight
+gradients; bad input is a typed error on every rank."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import run_ranks
+from _tiny import VOCAB, example_gpt
+
+import shardax as sx
+from shardax import pipeline
+from shardax.errors import ScheduleError
+from shardax.pipeline import Action, Schedule
+from shardax.pipeline._deferred import WeightGrads, deferring
+
+STEPS, BATCH = 5, 8
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-4, 0.1  # eps: see tests/shard/test_tensor_parallel.py
+
+
+def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    shape = (BATCH, 8)
+    return [
+        (torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+@functools.cache
+def _reference(n_layers: int, clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = example_gpt(n_layers=n_layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses = []
+    for x, y in _batches():
+        loss = _ce(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _rules(name: str | None) -> Any:
+    """Rules by name (built on the ranks: module rules do not pickle)."""
+    if name is None:
+        return None
+    if name == "megatron":
+        return sx.rules.megatron("tp")
+    return sx.rules.zero(int(name.removeprefix("zero")))
+
+
+def _ranked(
+    make: Any, shape: dict[str, int], n_layers: int, rules: str | None, clip: float = 0.0
+) -> tuple[list[float], dict]:
+    mesh = sx.Mesh(shape)
+    schedule = make()
+    torch.manual_seed(0)
+    model = example_gpt(n_layers=n_layers)
+    stages = pipeline.split(model, schedule.stages)
+    others = [a for a in mesh.axis_names if a != "pp"]
+    if others:
+        full = sx.shard(sx.params_of(model), mesh.submesh(others), _rules(rules))
+    else:
+        full = sx.params_of(model)
+    params = stages.local(full, schedule, mesh.axis_index("pp"))
+    loss_fn = _ce
+    if rules == "megatron":  # the head's logits are split over the vocabulary
+
+        def loss_fn(logits, y):
+            return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh.submesh("tp"))
+
+    step = pipeline.value_and_grad(model, loss_fn, schedule, stages, mesh=mesh)
+    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    state = opt.init(params)
+    n, i = (mesh.size("dp"), mesh.axis_index("dp")) if "dp" in shape else (1, 0)
+    losses = []
+    for x, y in _batches():
+        rows = slice(i * BATCH // n, (i + 1) * BATCH // n)
+        loss, grads = step(params, x[rows], y[rows])
+        if clip:
+            grads, _ = pipeline.clip_by_global_norm(grads, clip, stages, schedule, mesh=mesh)
+        params, state = sx.optim.step(opt, grads, state, params)
+        losses.append(loss.item())
+    return losses, {k: sx.gather(v) if isinstance(v, sx.Sharded) else v for k, v in params.items()}
+
+
+def _matches(results: list[tuple[list[float], dict]], n_layers: int, clip: float = 0.0) -> None:
+    ref_losses, ref_params = _reference(n_layers, clip)
+    held: set[str] = set()
+    for losses, params in results:
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5, msg=k)
+        held |= set(params)
+    assert held == set(ref_params)  # every parameter is on some rank
+
+
+# (name, generator call for `ranks` ranks and 8 micro-batches, stages per rank)
+SCHEDULES = {
+    "gpipe": (lambda p, m: pipeline.gpipe(p, m), 1),
+    "1f1b": (lambda p, m: pipeline.one_f_one_b(p, m), 1),
+    "interleaved_1f1b": (lambda p, m: pipeline.interleaved_1f1b(p, m, virtual=2), 2),
+    "looped_bfs": (lambda p, m: pipeline.looped_bfs(p, m, virtual=2), 2),
+    "zb_h1": (lambda p, m: pipeline.zero_bubble_h1(p, m), 1),
+    "zbv": (lambda p, m: pipeline.zbv(p, m), 2),
+    "dualpipe_v": (lambda p, m: pipeline.dualpipe_v(p, m), 2),
+}
+
+
+def _make(name: str, p: int, m: int) -> Schedule:
+    return SCHEDULES[name][0](p, m)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_matches_the_single_process_model_on_pp2(name):
+    layers = 2 * SCHEDULES[name][1]
+    results = run_ranks(_ranked, functools.partial(_make, name, 2, 8), {"pp": 2}, layers, None)
+    _matches(results, layers)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["1f1b", "zbv"]
+    + [pytest.param(n, marks=pytest.mark.slow) for n in SCHEDULES if n not in ("1f1b", "zbv")],
+)
+def test_every_schedule_matches_on_pp4(name):
+    layers = 4 * SCHEDULES[name][1]
+    make = functools.partial(_make, name, 4, 8)
+    _matches(run_ranks(_ranked, make, {"pp": 4}, layers, None, world_size=4), layers)
+
+
+@pytest.mark.parametrize(
+    ("name", "zero"),
+    [("1f1b", 3), ("zb_h1", 3), pytest.param("1f1b", 1, marks=pytest.mark.slow),
+     pytest.param("zbv", 2, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_dp2_x_pp2_with_zero(name, zero):
+    layers = 2 * SCHEDULES[name][1]
+    make = functools.partial(_make, name, 2, 4)
+    results = run_ranks(_ranked, make, {"dp": 2, "pp": 2}, layers, f"zero{zero}", world_size=4)
+    _matches(results, layers)
+
+
+def test_pp2_x_tp2_with_megatron():
+    make = functools.partial(_make, "1f1b", 2, 4)
+    _matches(run_ranks(_ranked, make, {"pp": 2, "tp": 2}, 2, "megatron", world_size=4), 2)
+
+
+def test_clipping_by_the_whole_pipelines_norm():
+    """Clipped hard (every step): the norm is the whole model's, outer
+    parameters counted once — as torch.nn.utils.clip_grad_norm_ on it."""
+    make = functools.partial(_make, "1f1b", 2, 4)
+    results = run_ranks(_ranked, make, {"dp": 2, "pp": 2}, 2, "zero2", 0.05, world_size=4)
+    _matches(results, 2, 0.05)
+
+
+def _eval_loss() -> float:
+    mesh = sx.Mesh({"pp": 2})
+    torch.manual_seed(0)
+    model = example_gpt(n_layers=2)
+    schedule, stages = pipeline.one_f_one_b(2, 4), pipeline.split(model, 2)
+    params = stages.local(sx.params_of(model), schedule, mesh.axis_index("pp"))
+    x, y = _batches()[0]
+    return pipeline.value(model, _ce, schedule, stages, mesh=mesh)(params, x, y).item()
+
+
+def test_value_is_the_loss_of_the_forwards():
+    assert run_ranks(_eval_loss) == [pytest.approx(_reference(2)[0][0], abs=1e-6)] * 2
+
+
+def _v_gpipe(m: int = 4) -> Schedule:
+    """A hand-written V: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2
+    (stage 1 → 2 is handed over on rank 1 itself)."""
+
+    def f(s):
+        return [Action("F", s, i) for i in range(m)]
+
+    def b(s):
+        return [Action("B", s, i) for i in range(m)]
+
+    return Schedule([f(0) + f(3) + b(3) + b(0), f(1) + f(2) + b(2) + b(1)], 4, m, (0, 1, 1, 0))
+
+
+def test_a_hand_written_schedule_runs():
+    _matches(run_ranks(_ranked, _v_gpipe, {"pp": 2}, 4, None), 4)
+
+
+def test_split_backward_defers_exactly_the_linear_weight_gradients():
+    torch.manual_seed(0)
+    lin, norm = torch.nn.Linear(4, 3), torch.nn.LayerNorm(4)
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    want = torch.autograd.grad(lin(norm(x)).square().sum(), [x, lin.weight, lin.bias, norm.weight])
+    store = WeightGrads()
+    with deferring(store):
+        y = lin(norm(x)).square().sum()
+    y.backward()  # I: the input's and the norm's gradients, not the linear's
+    assert lin.weight.grad is None and lin.bias.grad is None
+    torch.testing.assert_close(x.grad, want[0])
+    torch.testing.assert_close(norm.weight.grad, want[3])
+    store.run()  # W
+    torch.testing.assert_close(lin.weight.grad, want[1])
+    torch.testing.assert_close(lin.bias.grad, want[2])
+    assert store.pending == []
+
+
+def _bad(case: str) -> str:
+    mesh = sx.Mesh({"pp": 2})
+    model = example_gpt(n_layers=2)
+    schedule = pipeline.one_f_one_b(2, 4)
+    stages = pipeline.split(model, 2)
+    params = stages.local(sx.params_of(model), schedule, mesh.axis_index("pp"))
+    x = torch.zeros(8, 8, dtype=torch.long)
+    try:
+        if case == "batch":
+            pipeline.value_and_grad(model, _ce, schedule, stages, mesh=mesh)(params, x[:6], x[:6])
+        elif case == "params":
+            step = pipeline.value_and_grad(model, _ce, schedule, stages, mesh=mesh)
+            step(sx.params_of(model), x, x)
+        elif case == "stages":
+            pipeline.value_and_grad(
+                model, _ce, pipeline.gpipe(2, 4), pipeline.split(model, 1), mesh=mesh
+            )
+        elif case == "ranks":
+            pipeline.value_and_grad(
+                model, _ce, pipeline.gpipe(1, 4), pipeline.split(model, 1), mesh=mesh
+            )
+    except ScheduleError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        (
+            "batch",
+            r"inputs of shape \(6, 8\): its batch dim 0 must split into the schedule's 4 micro",
+        ),
+        ("params", r"rank \d of 'pp' holds its stages' parameters .*not its stages': \['blocks"),
+        ("stages", r"split into 1 stages but the schedule runs 2"),
+        ("ranks", r"the schedule runs on 1 ranks; Mesh\(\{'pp': 2\}\) has 2 along 'pp'"),
+    ],
+)
+def test_bad_input_is_a_schedule_error_on_every_rank(case, match):
+    for message in run_ranks(_bad, case):
+        assert __import__("re").search(match, message), message
+
+
+def _lost_peer() -> str:
+    mesh = sx.Mesh({"pp": 2}, timeout=3.0)
+    model = example_gpt(n_layers=2)
+    schedule = pipeline.one_f_one_b(2, 2)
+    stages = pipeline.split(model, 2)
+    params = stages.local(sx.params_of(model), schedule, mesh.axis_index("pp"))
+    if mesh.axis_index("pp") == 1:
+        return "left"  # the last stage never runs its step
+    x = torch.zeros(2, 8, dtype=torch.long)
+    try:
+        pipeline.value_and_grad(model, _ce, schedule, stages, mesh=mesh)(params, x, x)
+    except sx.CollectiveError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_lost_stage_is_a_timeout_naming_the_peer():
+    first, _ = run_ranks(_lost_peer, reset=True)
+    assert first.startswith("CollectiveTimeoutError: recv from member 1 (rank 1) over axis 'pp'"), (
+        first
+    )
