@@ -15,6 +15,8 @@ the inputs, so only the hidden state crosses between stages.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -130,6 +132,7 @@ def split(
     blocks: str | None = None,
     balance: str | Sequence[int] = "layers",
     shared: Iterable[str] = (),
+    sample: Any = None,
 ) -> Stages:
     """Cut ``model``'s blocks into ``stages`` consecutive runs.
 
@@ -142,12 +145,16 @@ def split(
         balance: ``"layers"`` (the same number of blocks per stage: they
             must divide evenly), ``"params"`` (consecutive runs with the
             fewest parameters on the busiest stage, the outer parameters
-            counted on the first and last stage), or the number of blocks of
-            each stage.
+            counted on the first and last stage), ``"time"`` (the least
+            forward time on the busiest stage, each block timed on
+            ``sample``; the model must be real, not on ``meta``), or the
+            number of blocks of each stage.
         shared: outer parameters every stage needs besides the buffers
             (which every stage holds): those whose values reach the blocks
             other than through the hidden state. Their gradients are summed
             over the pipeline.
+        sample: with ``balance="time"``, the model's input (or a tuple of
+            its positional inputs) to time the blocks on.
 
     >>> import torch, shardax as sx
     >>> model = torch.nn.Sequential(torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(6)))
@@ -187,9 +194,11 @@ def split(
         return Stages(path, (n // stages,) * stages, common)
     if balance == "params":
         return Stages(path, _by_params(model, path, container, stages), common)
+    if balance == "time":
+        return Stages(path, _by_time(container, model, sample, stages), common)
     if isinstance(balance, str):
         raise ScheduleError(
-            f"split: balance is 'layers', 'params' or a list of counts; got {balance!r}"
+            f"split: balance is 'layers', 'params', 'time' or a list of counts; got {balance!r}"
         )
     counts = _counts(balance)
     if len(counts) != stages or sum(counts) != n:
@@ -202,38 +211,86 @@ def split(
 def _by_params(
     model: nn.Module, path: str, container: nn.ModuleList, stages: int
 ) -> tuple[int, ...]:
-    """Consecutive runs minimising the largest stage's parameter count."""
-    sizes = [sum(p.numel() for p in b.parameters()) for b in container]
+    """Consecutive runs with the fewest parameters on the busiest stage,
+    the outer parameters on the first and the last."""
+    sizes = [float(sum(p.numel() for p in b.parameters())) for b in container]
     inside = {id(p) for p in container.parameters()}
-    outer = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    outer = float(sum(p.numel() for p in model.parameters() if id(p) not in inside))
+    return partition(sizes, stages, outer, outer)
+
+
+def _by_time(
+    container: nn.ModuleList, model: nn.Module, sample: Any, stages: int
+) -> tuple[int, ...]:
+    """Consecutive runs with the least forward time on the busiest stage:
+    each block timed on ``sample`` (the median of 3 forwards), what runs
+    before the first block counted on the first stage, after the last one
+    on the last."""
+    if sample is None:
+        raise ScheduleError("split(balance='time') times the model on an input: pass sample=")
+    blocks = list(container)
+    marks: list[float] = []
+
+    def mark(*_: Any) -> None:
+        marks.append(time.perf_counter())
+
+    handles = [b.register_forward_pre_hook(mark) for b in blocks]
+    handles.append(blocks[-1].register_forward_hook(mark))
+    args = sample if isinstance(sample, tuple) else (sample,)
+    runs: list[list[float]] = []
+    try:
+        for _ in range(3):
+            marks.clear()
+            with torch.no_grad():
+                start = time.perf_counter()
+                model(*args)
+                end = time.perf_counter()
+            if len(marks) != len(blocks) + 1:
+                raise ScheduleError(
+                    f"split(balance='time'): the model called its {len(blocks)} blocks "
+                    f"{len(marks) - 1} times on the sample; each block is called once, in order"
+                )
+            steps = [b - a for a, b in itertools.pairwise(marks)]
+            runs.append([marks[0] - start, *steps, end - marks[-1]])
+    finally:
+        for h in handles:
+            h.remove()
+    median = [sorted(col)[1] for col in zip(*runs, strict=True)]
+    return partition(median[1:-1], stages, median[0], median[-1])
+
+
+def partition(
+    sizes: Sequence[float], stages: int, first: float = 0.0, last: float = 0.0
+) -> tuple[int, ...]:
+    """The counts of ``stages`` consecutive, non-empty runs of ``sizes``
+    whose largest load (its sizes, plus ``first`` on the first run and
+    ``last`` on the last) is the least (exact: dynamic programming).
+
+    >>> partition([1, 1, 1, 1, 4], 2), partition([1, 1, 1, 1], 2, first=2.0)
+    ((4, 1), (1, 3))
+    """
     n = len(sizes)
-
-    def fits(limit: float) -> tuple[int, ...] | None:
-        counts, load, count = [], float(outer if stages > 1 else 2 * outer), 0
-        for i, size in enumerate(sizes):
-            left = n - i  # blocks left, including this one
-            if count and (load + size > limit or left < stages - len(counts)):
-                counts.append(count)
-                load, count = (outer if len(counts) == stages - 1 else 0.0), 0
-            load += size
-            count += 1
-            if load > limit:
-                return None
-        counts.append(count)
-        return tuple(counts) if len(counts) == stages else None
-
-    lo, hi = float(max(sizes)), float(sum(sizes) + 2 * outer)
-    best = fits(hi)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        got = fits(mid)
-        if got is not None:
-            best, hi = got, mid
-        else:
-            lo = mid
-    if best is None:  # pragma: no cover - hi always fits
-        raise ScheduleError(f"split: could not balance {n} blocks over {stages} stages")
-    return best
+    prefix = [0.0, *itertools.accumulate(sizes)]
+    inf = float("inf")
+    # best[k][i]: the least largest load of blocks [0, i) in k + 1 runs; cut[k][i]: the last run's start
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    for i in range(1, n + 1):
+        best[0][i] = prefix[i] + first + (last if stages == 1 else 0.0)
+    for k in range(1, stages):
+        extra = last if k == stages - 1 else 0.0
+        for i in range(k + 1, n + 1):
+            for j in range(k, i):
+                load = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
+                if load < best[k][i]:
+                    best[k][i], cut[k][i] = load, j
+    counts, i = [], n
+    for k in range(stages - 1, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    counts.append(i)
+    return tuple(reversed(counts))
 
 
 def stand_in(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
