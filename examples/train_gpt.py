@@ -681,8 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pp = run.parallel.pp
         stage_mesh = mesh.submesh([a for a in mesh.axis_names if a != pp])
         stages = sx.pipeline.split(model, pipe.stages)
-        params = sx.init_params(model, stage_mesh, run.make_rules())
-        params = stages.local(params, pipe, mesh.axis_index(pp))
+        mine = stages.local(sx.params_of(model), pipe, mesh.axis_index(pp))  # its key paths
+        params = sx.init_params(model, stage_mesh, run.make_rules(), only=mine)
         say(f"pipeline: {pipe.stages} stages ({stages.counts} blocks) on {pp}={mesh.size(pp)}, "
             f"{run.parallel.pp_schedule} over {pipe.micro_batches} micro-batches")  # fmt: skip
     schedule = run.make_schedule()

@@ -4,7 +4,7 @@ shards, never whole on one rank)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ def init_params(
     *,
     init_fn: Callable[[nn.Module], Any] | None = None,
     device: torch.device | str = "cpu",
+    only: Iterable[str] | None = None,
 ) -> dict[str, Sharded]:
     """Initialise the parameters and buffers of ``model`` (built on the
     ``meta`` device) directly into their shards: the values equal
@@ -89,6 +90,9 @@ def init_params(
         specs: rules (e.g. ``rules.zero(3)``) or specs, as for :func:`shardax.shard`.
         init_fn: an optional per-module initialiser run after construction.
         device: where the shards live (and the draws are made).
+        only: keep just these key paths (a pipeline rank's stages); the
+            others are still drawn, so the kept values are the dense
+            model's, but never kept.
 
     >>> import torch, shardax as sx
     >>> with torch.device("meta"):
@@ -117,7 +121,13 @@ def init_params(
         raise ShardingError(f"init_params needs a live Mesh; got {mesh!r}")
     if init_fn is not None and not callable(init_fn):
         raise ShardingError(f"init_fn is a function of one module; got {init_fn!r}")
-    state = _Initialising(model, mesh, specs, device)
+    state = _Initialising(model, mesh, specs, device, None if only is None else set(only))
+    if state.only is not None and state.only - set(state.tensor_of):
+        unknown = sorted(state.only - set(state.tensor_of))
+        raise ShardingError(
+            f"init_params(only=...): {unknown[:5]} are not key paths of the model's parameters "
+            "or buffers (shardax.params_of(model) lists them)"
+        )
     with torch.no_grad():
         if is_hugging_face(model):
             state.replay_hugging_face()
@@ -135,8 +145,10 @@ class _Initialising:
     """One :func:`init_params` call: the shards kept so far, and how to run
     an initialiser on dense copies of the tensors it writes."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, specs: Any, device: Any) -> None:
-        self.model, self.mesh, self.device = model, mesh, device
+    def __init__(
+        self, model: nn.Module, mesh: Mesh, specs: Any, device: Any, only: set[str] | None
+    ) -> None:
+        self.model, self.mesh, self.device, self.only = model, mesh, device, only
         paths, leaves, _, layouts = layouts_for(params_of(model), mesh, specs)
         self.layout_of = dict(zip(paths, layouts, strict=True))
         self.rules = rules_for_tree(specs, paths, leaves)
@@ -153,6 +165,8 @@ class _Initialising:
         self.out: dict[str, Sharded] = {}
 
     def keep(self, path: str, value: torch.Tensor) -> None:
+        if self.only is not None and path not in self.only:
+            return
         x = _shard_one(value, self.mesh, self.layout_of[path], None)
         placement = (
             self.rules.placement(path, x.shape, self.mesh) if self.rules is not None else None
@@ -228,7 +242,7 @@ class _Initialising:
         nothing initialised; an error for meta ones."""
         unset = []
         for path, t in self.tensor_of.items():
-            if path in self.out:
+            if path in self.out or (self.only is not None and path not in self.only):
                 continue
             if t.device.type == "meta":
                 unset.append(path)

@@ -146,3 +146,21 @@ def test_init_fn_on_a_hugging_face_model_runs_after_its_own_init():
             assert not got[k].any(), k
         else:
             assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("make", [tiny.example_gpt, tiny.llama])
+def test_only_keeps_some_tensors_with_the_dense_values(make):
+    """A pipeline rank initialises its stages alone: every draw is still
+    made (the kept values are the dense model's), the rest is never kept."""
+    torch.manual_seed(0)
+    dense = sx.params_of(make())
+    with torch.device("meta"):
+        model = make()
+    keep = [k for k in dense if ".1." in k] + [next(iter(dense))]
+    torch.manual_seed(0)
+    part = sx.init_params(model, sx.Mesh({"dp": 1}), sx.rules.zero(3), only=keep)
+    assert sorted(part) == sorted(keep)
+    for k, v in part.items():
+        assert torch.equal(sx.gather(v), dense[k]), k
+    with pytest.raises(sx.ShardingError, match=r"\['blocks\.9\.x'\] are not key paths"):
+        sx.init_params(model, sx.Mesh({"dp": 1}), sx.rules.zero(3), only=["blocks.9.x"])
