@@ -1,16 +1,19 @@
 """What every training benchmark run shares, with no shardax in it (the
-plain scripts import it too): the tokens, each step's batch, peak memory."""
+plain scripts import it too): the tokens, each step's batch, the timed
+steps, peak memory."""
 
 from __future__ import annotations
 
 import resource
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MICRO_BATCH", "batch", "load_tokens", "peak_rss_mib"]
+__all__ = ["MICRO_BATCH", "batch", "load_tokens", "peak_rss_mib", "rss_per_rank", "timed_steps"]
 
 MICRO_BATCH = {"tiny": 8, "small": 8, "bench": 4, "wide": 2}  # sequences per rank and step
 
@@ -47,3 +50,38 @@ def peak_rss_mib() -> float:
     return (
         peak / 2**20 if sys.platform == "darwin" else peak / 1024
     )  # bytes on macOS, KiB elsewhere
+
+
+def timed_steps(
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    warmup: int,
+    steps: int,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``warmup`` untimed steps, then ``steps`` steps each timed between two
+    barriers: every step's loss (warm-up first) and the timed steps' seconds
+    on the slowest rank (float64), the same on every rank."""
+    losses = [step(*batch_at(i)) for i in range(warmup)]
+    times = []
+    for i in range(warmup, warmup + steps):
+        x, y = batch_at(i)
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step(x, y))
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    seconds = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return losses, seconds
+
+
+def rss_per_rank(start_mib: float) -> dict[str, float | list[float]]:
+    """Every rank's peak RSS (and its RSS at ``start_mib``, taken before
+    building), gathered: the result row's memory fields, on every rank."""
+    rss: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rss, (start_mib, peak_rss_mib()))
+    return {
+        "peak_rss_mib": max(peak for _, peak in rss),
+        "peak_rss_mib_per_rank": [peak for _, peak in rss],
+        "start_rss_mib_per_rank": [start for start, _ in rss],
+    }

@@ -24,6 +24,7 @@ held by the first and the last stage, then add the other's gradient.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -275,6 +276,7 @@ class _Pipe:
         self.runners = {s: _Stage(model, stages, s) for s in mine}
         self.split_backward = {(a.stage, a.micro) for a in schedule.ranks[rank] if a.kind == "I"}
         self.buffers = {k for k, _ in model.named_buffers()}
+        _agree(stages, schedule, mesh, axis)
 
     def run(
         self, params: dict[str, Any], inputs: Any, targets: torch.Tensor, tape: Tape | None
@@ -347,6 +349,23 @@ class _Pipe:
             )
         loss = torch.stack(losses).mean() if losses else torch.zeros(())
         return _broadcast_loss(loss, params, schedule, self.mesh, self.axis), grads
+
+
+def _agree(stages: Stages, schedule: Schedule, mesh: Mesh, axis: str) -> None:
+    """Every rank of the pipeline runs the same split and schedule (a split
+    balanced by time measured on each rank could differ: blocks would run
+    twice or never); else a ScheduleError on every rank, before any step."""
+    text = repr((stages, schedule))
+    mine = torch.tensor([zlib.crc32(text.encode()), len(text)], dtype=torch.int64)
+    every = C.all_gather(mine[None], axis, mesh=mesh)
+    if not bool((every == mine).all()):
+        differ = [r for r in range(every.shape[0]) if not bool((every[r] == mine).all())]
+        raise ScheduleError(
+            f"rank {mesh.axis_index(axis)} of {axis!r} runs {stages!r} with a "
+            f"{schedule.stages}-stage schedule; ranks {differ} along {axis!r} run another split "
+            "or schedule: every rank of a pipeline must make the same (balance by 'time' on "
+            "one rank and give the counts to the others)"
+        )
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ the inputs, so only the hidden state crosses between stages.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -127,7 +128,7 @@ def find_blocks(model: nn.Module) -> str:
 
 def split(
     model: nn.Module,
-    stages: int,
+    stages: int | Schedule,
     *,
     blocks: str | None = None,
     balance: str | Sequence[int] = "layers",
@@ -139,7 +140,9 @@ def split(
     Args:
         model: the model (on ``meta`` is fine: only shapes are read).
         stages: how many stages (a schedule's ``stages``: ranks × virtual
-            stages per rank).
+            stages per rank), or the schedule itself: then ``"params"`` and
+            ``"time"`` balance each rank's load — its stages together
+            (an interleaved or V placement), not each stage's.
         blocks: the path of the ``nn.ModuleList`` of blocks; None: the
             model's longest one.
         balance: ``"layers"`` (the same number of blocks per stage: they
@@ -165,8 +168,11 @@ def split(
     ...
     shardax.errors.ScheduleError: 6 blocks do not split evenly into 4 stages; use 1, 2, 3 or 6 stages, balance='params', or give each stage's count (balance=[2, 2, 1, 1])
     """
+    placement: tuple[int, ...] | None = None
+    if isinstance(stages, Schedule):
+        placement, stages = stages.stage_rank, stages.stages
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ScheduleError(f"split: stages is an int >= 1; got {stages!r}")
+        raise ScheduleError(f"split: stages is an int >= 1 or a Schedule; got {stages!r}")
     path = find_blocks(model) if blocks is None else blocks
     try:
         container = model.get_submodule(path)
@@ -193,9 +199,9 @@ def split(
             )
         return Stages(path, (n // stages,) * stages, common)
     if balance == "params":
-        return Stages(path, _by_params(model, path, container, stages), common)
+        return Stages(path, _by_params(model, path, container, stages, placement), common)
     if balance == "time":
-        return Stages(path, _by_time(container, model, sample, stages), common)
+        return Stages(path, _by_time(container, model, sample, stages, placement), common)
     if isinstance(balance, str):
         raise ScheduleError(
             f"split: balance is 'layers', 'params', 'time' or a list of counts; got {balance!r}"
@@ -209,18 +215,26 @@ def split(
 
 
 def _by_params(
-    model: nn.Module, path: str, container: nn.ModuleList, stages: int
+    model: nn.Module,
+    path: str,
+    container: nn.ModuleList,
+    stages: int,
+    placement: tuple[int, ...] | None,
 ) -> tuple[int, ...]:
     """Consecutive runs with the fewest parameters on the busiest stage,
     the outer parameters on the first and the last."""
     sizes = [float(sum(p.numel() for p in b.parameters())) for b in container]
     inside = {id(p) for p in container.parameters()}
     outer = float(sum(p.numel() for p in model.parameters() if id(p) not in inside))
-    return partition(sizes, stages, outer, outer)
+    return _balance(sizes, stages, outer, outer, placement)
 
 
 def _by_time(
-    container: nn.ModuleList, model: nn.Module, sample: Any, stages: int
+    container: nn.ModuleList,
+    model: nn.Module,
+    sample: Any,
+    stages: int,
+    placement: tuple[int, ...] | None,
 ) -> tuple[int, ...]:
     """Consecutive runs with the least forward time on the busiest stage:
     each block timed on ``sample`` (the median of 3 forwards), what runs
@@ -256,7 +270,38 @@ def _by_time(
         for h in handles:
             h.remove()
     median = [sorted(col)[1] for col in zip(*runs, strict=True)]
-    return partition(median[1:-1], stages, median[0], median[-1])
+    return _balance(median[1:-1], stages, median[0], median[-1], placement)
+
+
+def _balance(
+    sizes: Sequence[float],
+    stages: int,
+    first: float,
+    last: float,
+    placement: tuple[int, ...] | None,
+) -> tuple[int, ...]:
+    """:func:`partition`, or — where ranks hold several stages — the cut
+    whose busiest *rank* has the least load (every cut tried, up to 200,000
+    of them; beyond, the stage-level partition)."""
+    if placement is None or len(set(placement)) == stages:
+        return partition(sizes, stages, first, last)
+    n = len(sizes)
+    if math.comb(n - 1, stages - 1) > 200_000:
+        return partition(sizes, stages, first, last)
+    prefix = [0.0, *itertools.accumulate(sizes)]
+    best: tuple[float, tuple[int, ...]] | None = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        load: dict[int, float] = {}
+        for s in range(stages):
+            extra = (first if s == 0 else 0.0) + (last if s == stages - 1 else 0.0)
+            work = prefix[bounds[s + 1]] - prefix[bounds[s]] + extra
+            load[placement[s]] = load.get(placement[s], 0.0) + work
+        worst = max(load.values())
+        if best is None or worst < best[0]:
+            best = (worst, tuple(b - a for a, b in itertools.pairwise(bounds)))
+    assert best is not None
+    return best[1]
 
 
 def partition(

@@ -61,13 +61,24 @@ class _Slot:
     """One tracked parameter and its reduced gradient (no reference back to
     the tape: no cycle keeps gradients alive after the call)."""
 
-    __slots__ = ("grad", "held", "leaf", "path", "reducer", "sink")
+    __slots__ = ("accumulate", "grad", "held", "leaf", "path", "reducer")
 
     def __init__(self, reducer: Reducer, path: str, leaf: Any, accumulate: bool) -> None:
         self.reducer, self.path, self.leaf = reducer, path, leaf
+        self.accumulate = accumulate
         self.grad: torch.Tensor | None = None
         self.held: torch.Tensor | None = None  # contributions summed here, reduced at flush
-        self.sink = self.hold if accumulate else self.reduce
+
+    def sink(self, g: torch.Tensor) -> None:
+        """Where autograd hands a contribution: reduced at once, or (a
+        pipeline's micro-batches) summed here and reduced in :meth:`Tape.finish`."""
+        if self.accumulate:
+            if self.held is None:  # autograd's fresh tensor: kept as it is
+                self.held = g if g._base is None and g.is_contiguous() else g.clone()
+            else:
+                self.held.add_(g)
+        else:
+            self.reduce(g)
 
     def add(self, g: torch.Tensor) -> None:
         self.grad = g if self.grad is None else self.grad + g
@@ -76,9 +87,6 @@ class _Slot:
         x = self.leaf
         compute = role_layout(x, "compute")
         self.reducer.add(g, compute.dual(), role_layout(x, "grads"), x.shape, self.add)
-
-    def hold(self, g: torch.Tensor) -> None:
-        self.held = g if self.held is None else self.held + g
 
 
 class Tape:

@@ -283,3 +283,22 @@ def test_a_lost_stage_is_a_timeout_naming_the_peer():
     assert first.startswith("CollectiveTimeoutError: recv from member 1 (rank 1) over axis 'pp'"), (
         first
     )
+
+
+def _disagree() -> str:
+    mesh = sx.Mesh({"pp": 2})
+    model = example_gpt(n_layers=4)
+    counts = [(1, 3), (2, 2)][mesh.axis_index("pp")]  # e.g. balanced by time on each rank
+    try:
+        pipeline.value_and_grad(
+            model, _ce, pipeline.gpipe(2, 2), pipeline.split(model, 2, balance=counts), mesh=mesh
+        )
+    except ScheduleError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_that_split_the_model_differently_are_stopped_before_any_step():
+    first, second = run_ranks(_disagree)
+    assert "ranks [1] along 'pp' run another split or schedule" in first, first
+    assert "ranks [0] along 'pp' run another split or schedule" in second, second

@@ -86,7 +86,7 @@ def test_balancing_by_parameters_and_by_counts():
         ({"stages": 2, "balance": "time"}, r"times the model on an input: pass sample="),
         ({"stages": 2, "blocks": "wte"}, r"'wte' is a Embedding, not an nn.ModuleList"),
         ({"stages": 2, "blocks": "nope"}, r"the model has no module 'nope'"),
-        ({"stages": 0}, r"stages is an int >= 1; got 0"),
+        ({"stages": 0}, r"stages is an int >= 1 or a Schedule; got 0"),
     ],
 )
 def test_a_bad_split_is_a_schedule_error(kwargs, match):
@@ -98,3 +98,22 @@ def test_a_schedule_for_another_number_of_stages_is_refused():
     stages = pipeline.split(example_gpt(n_layers=4), 2)
     with pytest.raises(ScheduleError, match=r"split into 2 stages but the schedule runs 4"):
         stages.local({}, pipeline.zbv(2, 4), 0)
+
+
+def test_given_the_schedule_the_balance_is_per_rank():
+    """In a V, rank 0 runs the first and the last stage (the embedding and
+    the head): the busiest rank's parameters, not the busiest stage's, are
+    the fewest."""
+    model = example_gpt(n_layers=8, vocab_size=2048)
+    schedule = pipeline.zbv(2, 4)
+
+    def worst_rank(counts):
+        stages = pipeline.Stages("blocks", counts)
+        return max(
+            sum(p.numel() for k, p in model.named_parameters() if stages.held(k, mine))
+            for mine in ([0, 3], [1, 2])
+        )
+
+    per_rank = pipeline.split(model, schedule, balance="params").counts
+    every = [c for c in itertools.product(range(1, 6), repeat=4) if sum(c) == 8]
+    assert worst_rank(per_rank) == min(worst_rank(c) for c in every)
