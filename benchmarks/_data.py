@@ -4,11 +4,13 @@ steps, peak memory."""
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,22 @@ def peak_rss_mib() -> float:
     return (
         peak / 2**20 if sys.platform == "darwin" else peak / 1024
     )  # bytes on macOS, KiB elsewhere
+
+
+def launch_run(argv: list[str], env: dict, args: Any, result: Path, row: dict) -> dict:
+    """Launch one run (``argv`` on ``args.nproc`` fresh ranks, quiet unless
+    ``args.verbose``) and fill ``row``: its wall time, and the result file
+    rank 0 wrote, or the error."""
+    from shardax.launch import launch
+
+    started = time.perf_counter()
+    code = launch(argv, nproc_per_node=args.nproc, env=env, log_ranks=None if args.verbose else ())
+    row["wall_s"] = time.perf_counter() - started
+    if code != 0 or not result.exists():
+        row["error"] = f"ranks exited with code {code}"
+    else:
+        row.update(json.loads(result.read_text()))
+    return row
 
 
 def timed_steps(

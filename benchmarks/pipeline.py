@@ -83,7 +83,14 @@ from torch.distributed import pipelining
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from _data import batch, load_tokens, peak_rss_mib, rss_per_rank, timed_steps  # noqa: E402  (beside this file, as train.py)
+from _data import (  # noqa: E402  (beside this file, as train.py)
+    batch,
+    launch_run,
+    load_tokens,
+    peak_rss_mib,
+    rss_per_rank,
+    timed_steps,
+)
 from gpt import GPT, PRESETS, GPTConfig, param_count  # noqa: E402
 from train import (  # noqa: E402
     BETAS,
@@ -99,8 +106,6 @@ from train import (  # noqa: E402
     setup_ddp,
     summarize,
 )
-
-from shardax.launch import launch  # noqa: E402
 
 # name: (torch.distributed.pipelining schedule, stages per rank, placement)
 TORCH_SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -355,15 +360,7 @@ def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
         # train.py's environment: its threads, and the allocator setting sx.init() makes
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 * 2**20))
-        started = time.perf_counter()
-        code = launch(
-            argv, nproc_per_node=args.nproc, env=env, log_ranks=None if args.verbose else ()
-        )
-        row["wall_s"] = time.perf_counter() - started
-        if code != 0 or not result.exists():
-            row["error"] = f"ranks exited with code {code}"
-        else:
-            row.update(json.loads(result.read_text()))
+        launch_run(argv, env, args, result, row)
     return row
 
 

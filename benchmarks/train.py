@@ -95,11 +95,17 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from _data import MICRO_BATCH, batch, load_tokens, peak_rss_mib  # noqa: E402  (beside this file)
+from _data import (  # noqa: E402  (beside this file)
+    MICRO_BATCH,
+    batch,
+    launch_run,
+    load_tokens,
+    peak_rss_mib,
+    timed_steps,
+)
 from gpt import GPT, PRESETS, GPTConfig, param_count  # noqa: E402
 
 import shardax as sx  # noqa: E402
-from shardax.launch import launch  # noqa: E402
 
 DATA = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
@@ -399,16 +405,8 @@ def worker(args: argparse.Namespace) -> int:
     with sx.collectives.traffic() as traffic:  # the last warm-up step's communication
         if args.warmup:
             losses.append(step(*batch_at(args.warmup - 1)))
-    times = []
-    for i in range(args.warmup, args.warmup + args.steps):
-        x, y = batch_at(i)
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses.append(step(x, y))
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    seconds = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time
+    timed, seconds = timed_steps(step, lambda i: batch_at(args.warmup + i), 0, args.steps)
+    losses += timed  # the slowest rank's seconds of each timed step
     loss = torch.stack(losses).double()
     dist.all_reduce(loss)  # the global loss: the mean of the ranks' (shardax's is already global)
     loss /= world
@@ -477,15 +475,7 @@ def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
                     env.pop(name, None)
                 else:
                     env[name] = value
-        started = time.perf_counter()
-        code = launch(
-            argv, nproc_per_node=args.nproc, env=env, log_ranks=None if args.verbose else ()
-        )
-        row["wall_s"] = time.perf_counter() - started
-        if code != 0 or not result.exists():
-            row["error"] = f"ranks exited with code {code}"
-        else:
-            row.update(json.loads(result.read_text()))
+        launch_run(argv, env, args, result, row)
     return row
 
 

@@ -136,10 +136,11 @@ def pipelined(
             return sx.vocab_parallel_cross_entropy(logits.float(), y, tp, mesh=mesh.submesh(tp))
         return cross_entropy(logits, y)
 
+    rules = {"rules": run.make_rules()} if tp is not None else {}  # stand-ins' vocabulary pieces
     step = sx.pipeline.value_and_grad(
-        model, loss_fn, pipe, stages, mesh=mesh, bucket_bytes=run.parallel.bucket_bytes
+        model, loss_fn, pipe, stages, mesh=mesh, bucket_bytes=run.parallel.bucket_bytes, **rules
     )
-    value = sx.pipeline.value(model, loss_fn, pipe, stages, mesh=mesh)
+    value = sx.pipeline.value(model, loss_fn, pipe, stages, mesh=mesh, **rules)
 
     def grad_fn(params: dict, batch: dict, scale: float) -> tuple[torch.Tensor, dict]:
         loss, grads = step(params, batch["x"], batch["y"])
@@ -310,18 +311,16 @@ def run_config(
         )
         (data.setdefault(section, {}) if section else data)[key] = value
     mesh, parallel = dict(data.get("mesh") or {"dp": -1}), data.setdefault("parallel", {})
-    if args.tp > 1:
-        if mesh.get("tp", args.tp) != args.tp:
-            raise sx.config.ConfigError(f"--tp {args.tp} but the mesh says tp={mesh['tp']}")
-        mesh["tp"] = args.tp
-    if mesh.get("tp", 1) != 1 and not parallel.get("tp"):  # an axis named tp: tensor parallelism
-        parallel["tp"] = "tp"
-    if args.pp > 1:
-        if mesh.get("pp", args.pp) != args.pp:
-            raise sx.config.ConfigError(f"--pp {args.pp} but the mesh says pp={mesh['pp']}")
-        mesh["pp"] = args.pp
-    if mesh.get("pp", 1) != 1 and not parallel.get("pp"):  # an axis named pp: pipeline stages
-        parallel["pp"] = "pp"
+    for axis in ("tp", "pp"):  # --tp/--pp add the axis; an axis named so: its parallelism
+        size = getattr(args, axis)
+        if size > 1:
+            if mesh.get(axis, size) != size:
+                raise sx.config.ConfigError(
+                    f"--{axis} {size} but the mesh says {axis}={mesh[axis]}"
+                )
+            mesh[axis] = size
+        if mesh.get(axis, 1) != 1 and not parallel.get(axis):
+            parallel[axis] = axis
     if args.sp:
         parallel["sequence_parallel"] = True
     data["mesh"] = mesh

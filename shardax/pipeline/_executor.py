@@ -34,9 +34,10 @@ from torch import nn
 from .. import collectives as C
 from ..errors import ScheduleError
 from ..mesh._mesh import Mesh
+from ..shard._api import layouts_for
 from ..shard._apply import StopForward, apply
 from ..shard._grad import _TAPE, Tape, _grad_of
-from ..shard._placement import role_layout
+from ..shard._placement import Placement, role_layout
 from ..shard._sharded import Sharded
 from ..shard._transfer import Reducer
 from ._deferred import WeightGrads, deferring
@@ -278,6 +279,43 @@ class _Pipe:
         self.buffers = {k for k, _ in model.named_buffers()}
         _agree(stages, schedule, mesh, axis)
 
+    def _stand_ins(self, params: dict[str, Any]) -> dict[str, Any]:
+        """What this rank passes for the tensors it does not hold, taking no
+        memory: the blocks' (never run here) as plain tensors; the outer
+        modules' (run here only to recompute what the blocks take) as their
+        pieces in the compute layout the rules give — a vocabulary-parallel
+        embedding checks its piece's rows."""
+        missing = [k for k in self.shapes if k not in params]
+        rules = self.apply_kwargs.get("rules")
+        mesh = next((x.mesh for x in params.values() if isinstance(x, Sharded)), None)
+        ends = {0, self.schedule.stages - 1}
+        middle = not ends & set(self.runners)  # runs the outer modules without their params
+        if (
+            rules is None
+            and middle
+            and any(
+                isinstance(x, Sharded) and x.placement is not None and x.placement.modules
+                for x in params.values()
+            )
+        ):
+            raise ScheduleError(
+                f"rank {self.rank} of {self.axis!r} runs only middle stages, whose outer modules "
+                "run on stand-ins of the first and last stage's parameters, and the params carry "
+                "module rules (tensor parallelism) that check their pieces: pass the rules "
+                "(pipeline.value_and_grad(..., rules=rules)) so the stand-ins take their shapes"
+            )
+        out: dict[str, Any] = {k: stand_in(*self.shapes[k]) for k in missing}
+        if rules is not None and mesh is not None and missing:
+            tree = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in self.shapes.items()}
+            paths, _, _, layouts = layouts_for(tree, mesh, rules, role="compute")
+            for path, layout in zip(paths, layouts, strict=True):
+                if layout is not None and path in out and self.stages.stage_of(path) is None:
+                    shape, dtype = self.shapes[path]
+                    piece = stand_in(layout.local_shape(shape, mesh.rank), dtype)
+                    kept = Placement(layout, layout, layout)  # computed where it lies
+                    out[path] = Sharded(piece, layout, shape, placement=kept)
+        return out
+
     def run(
         self, params: dict[str, Any], inputs: Any, targets: torch.Tensor, tape: Tape | None
     ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -290,7 +328,7 @@ class _Pipe:
         traced = params
         if tape is not None:
             traced, tracked = tape.track(params)
-        full = {k: stand_in(*self.shapes[k]) for k in self.shapes if k not in params}
+        full = self._stand_ins(params)
         full.update(traced)
         world = _world(params)
         wire = _Wire(self.mesh, self.axis, schedule)

@@ -85,7 +85,8 @@ def _ranked(
         def loss_fn(logits, y):
             return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh.submesh("tp"))
 
-    step = pipeline.value_and_grad(model, loss_fn, schedule, stages, mesh=mesh)
+    extra = {"rules": _rules(rules)} if rules == "megatron" else {}  # stand-ins' pieces
+    step = pipeline.value_and_grad(model, loss_fn, schedule, stages, mesh=mesh, **extra)
     opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
     state = opt.init(params)
     n, i = (mesh.size("dp"), mesh.axis_index("dp")) if "dp" in shape else (1, 0)
@@ -148,7 +149,8 @@ def test_every_schedule_matches_on_pp4(name):
 @pytest.mark.parametrize(
     ("name", "zero"),
     [("1f1b", 3), ("zb_h1", 3), pytest.param("1f1b", 1, marks=pytest.mark.slow),
-     pytest.param("zbv", 2, marks=pytest.mark.slow)],
+     pytest.param("zbv", 2, marks=pytest.mark.slow)]
+    + [pytest.param(n, 3, marks=pytest.mark.slow) for n in SCHEDULES if n not in ("1f1b", "zb_h1")],
 )  # fmt: skip
 def test_dp2_x_pp2_with_zero(name, zero):
     layers = 2 * SCHEDULES[name][1]
@@ -157,9 +159,13 @@ def test_dp2_x_pp2_with_zero(name, zero):
     _matches(results, layers)
 
 
-def test_pp2_x_tp2_with_megatron():
-    make = functools.partial(_make, "1f1b", 2, 4)
-    _matches(run_ranks(_ranked, make, {"pp": 2, "tp": 2}, 2, "megatron", world_size=4), 2)
+@pytest.mark.parametrize(
+    "name", ["1f1b"] + [pytest.param(n, marks=pytest.mark.slow) for n in SCHEDULES if n != "1f1b"]
+)
+def test_pp2_x_tp2_with_megatron(name):
+    layers = 2 * SCHEDULES[name][1]
+    make = functools.partial(_make, name, 2, 4)
+    _matches(run_ranks(_ranked, make, {"pp": 2, "tp": 2}, layers, "megatron", world_size=4), layers)
 
 
 def test_clipping_by_the_whole_pipelines_norm():
