@@ -47,3 +47,27 @@ def adamw_steps(
         params, opt_state = sx.optim.step(opt, grads, opt_state, params)  # buffers: grad None
         losses.append(loss.item())
     return losses, params, sorted(ops)
+
+
+def torch_adamw_steps(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    hyper: tuple[float, tuple[float, float], float, float],
+    clip: float = 0.0,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process reference: ``torch.optim.AdamW`` steps of
+    ``model`` (clipping the gradient norm to ``clip`` first, when given);
+    ``(losses, final parameters)``."""
+    lr, betas, eps, wd = hyper
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}

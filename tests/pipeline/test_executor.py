@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
+from _parity import torch_adamw_steps
 from _tiny import VOCAB, example_gpt
 
 import shardax as sx
@@ -43,17 +44,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _reference(n_layers: int, clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = example_gpt(n_layers=n_layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    losses = []
-    for x, y in _batches():
-        loss = _ce(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return torch_adamw_steps(model, _ce, _batches(), (LR, BETAS, EPS, WD), clip)
 
 
 def _rules(name: str | None) -> Any:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
+from _parity import torch_adamw_steps
 from _tiny import SEQ, VOCAB
 from _tiny import gpt2 as tiny_gpt2
 from _tiny import llama as tiny_llama
@@ -46,16 +47,7 @@ def _ce(out, y):
 
 @functools.cache
 def _reference(family: str, layers: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model(family, layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    losses = []
-    for x, y in _batches():
-        loss = _ce(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return torch_adamw_steps(_model(family, layers), _ce, _batches(), (LR, BETAS, EPS, WD))
 
 
 def _ranked(family: str, layers: int, name: str, ranks: int) -> tuple[list[float], dict]:
