@@ -270,6 +270,7 @@ class _Pipe:
             )
         self.model, self.loss_fn, self.schedule, self.stages = model, loss_fn, schedule, stages
         self.mesh, self.axis, self.apply_kwargs = mesh, axis, apply_kwargs
+        self.stand_ins: dict[Any, dict[str, Any]] = {}  # stage mesh -> what stands in
         self.rank = rank = mesh.axis_index(axis)
         mine = [s for s, r in enumerate(schedule.stage_rank) if r == rank]
         self.shapes = {k: (tuple(t.shape), t.dtype) for k, t in _model_tensors(model).items()}
@@ -284,10 +285,17 @@ class _Pipe:
         memory: the blocks' (never run here) as plain tensors; the outer
         modules' (run here only to recompute what the blocks take) as their
         pieces in the compute layout the rules give — a vocabulary-parallel
-        embedding checks its piece's rows."""
+        embedding checks its piece's rows. Made once per stage mesh (the
+        params' keys are checked to be the same every step)."""
+        mesh = next((x.mesh for x in params.values() if isinstance(x, Sharded)), None)
+        cached = self.stand_ins.get(mesh)
+        if cached is None:
+            cached = self.stand_ins[mesh] = self._make_stand_ins(params, mesh)
+        return dict(cached)
+
+    def _make_stand_ins(self, params: dict[str, Any], mesh: Mesh | None) -> dict[str, Any]:
         missing = [k for k in self.shapes if k not in params]
         rules = self.apply_kwargs.get("rules")
-        mesh = next((x.mesh for x in params.values() if isinstance(x, Sharded)), None)
         ends = {0, self.schedule.stages - 1}
         middle = not ends & set(self.runners)  # runs the outer modules without their params
         if (
