@@ -114,18 +114,26 @@ def _train(out, metrics, *extra, nproc=2):
     return done.stdout, [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def test_train_gpt_resumes_bit_identically(tmp_path):
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory):
+    """The default 2-rank data-parallel run (6 steps, saved at 3 and 6) the
+    other runs are compared with: ``(its folder, its metrics)``, made once."""
+    root = tmp_path_factory.mktemp("dp")
+    return root / "a", _train(root / "a", root / "a.jsonl")[1]
+
+
+def test_train_gpt_resumes_bit_identically(tmp_path, dp_run):
     """Train 6 steps saving at 3; a fresh launch resuming from step 3 gives
     steps 4–6 the very losses of the uninterrupted run (params, optimizer
     state, step, RNG and data position all restored)."""
-    _, whole = _train(tmp_path / "a", tmp_path / "a.jsonl")
+    a, whole = dp_run
     assert [m["step"] for m in whole] == [1, 2, 3, 4, 5, 6]
     (tmp_path / "b").mkdir()
-    shutil.copytree(tmp_path / "a" / "step-00000003", tmp_path / "b" / "step-00000003")
+    shutil.copytree(a / "step-00000003", tmp_path / "b" / "step-00000003")
     stdout, resumed = _train(tmp_path / "b", tmp_path / "b.jsonl", "--resume")
     assert f"resumed from {tmp_path / 'b' / 'step-00000003'}" in stdout
     assert resumed == whole[3:]  # losses and lrs, exactly
-    final_a = sx.ckpt.load(tmp_path / "a" / "step-00000006")  # params, moments, step
+    final_a = sx.ckpt.load(a / "step-00000006")  # params, moments, step
     final_b = sx.ckpt.load(tmp_path / "b" / "step-00000006")
     leaves_a, spec_a = optree.tree_flatten(final_a)
     leaves_b, spec_b = optree.tree_flatten(final_b)
@@ -135,12 +143,12 @@ def test_train_gpt_resumes_bit_identically(tmp_path):
 
 
 @pytest.mark.slow  # the mechanisms: tests/shard/test_tensor_parallel.py (default run)
-def test_train_gpt_with_tensor_and_sequence_parallelism(tmp_path):
+def test_train_gpt_with_tensor_and_sequence_parallelism(tmp_path, dp_run):
     """``--tp 2 --sp``: Megatron rules over a tp axis, each rank its heads,
     the loss from vocabulary-split logits; the same global batch as the
     data-parallel run, so the same losses up to the order of the sums. A
     mesh axis no preset uses is refused in one line."""
-    _, dp = _train(tmp_path / "dp", tmp_path / "dp.jsonl")
+    _, dp = dp_run
     stdout, tp = _train(tmp_path / "tp", tmp_path / "tp.jsonl", "--tp", "2", "--sp")
     assert "Mesh({'dp': 1, 'tp': 2})" in stdout and "with sequence parallelism" in stdout
     for a, b in zip(tp, dp, strict=True):
@@ -155,13 +163,13 @@ def test_train_gpt_with_tensor_and_sequence_parallelism(tmp_path):
     assert "mesh axis 'ep' (size 2)" in idle.stderr and "is used by no preset" in idle.stderr
 
 
-def test_train_gpt_with_a_pipeline(tmp_path):
+def test_train_gpt_with_a_pipeline(tmp_path, dp_run):
     """``--pp 2 --schedule 1f1b``: the blocks split over a pp axis, 4
     micro-batches per step; the same global batch as the data-parallel
     run, so the same losses up to the order of the sums; the checkpoint
     holds the model's own key paths and global shapes, and the data-parallel
     run resumes from it."""
-    _, dp = _train(tmp_path / "dp", tmp_path / "dp.jsonl")
+    _, dp = dp_run
     stdout, pp = _train(tmp_path / "pp", tmp_path / "pp.jsonl", "--pp", "2", "--schedule", "1f1b")
     assert "pipeline: 2 stages ((1, 1) blocks) on pp=2, 1f1b over 4 micro-batches" in stdout
     for a, b in zip(pp, dp, strict=True):
@@ -177,13 +185,13 @@ def test_train_gpt_with_a_pipeline(tmp_path):
 
 
 @pytest.mark.slow  # the mechanism: tests/ckpt/test_resume_any_mesh.py (default run)
-def test_train_gpt_resumes_on_another_number_of_ranks(tmp_path):
+def test_train_gpt_resumes_on_another_number_of_ranks(tmp_path, dp_run):
     """A 2-rank checkpoint resumes on 1 rank: without an RNG policy the run
     stops with one line naming the flags; with ``--rng reseed`` the loss
     curve continues the uninterrupted run's (the data order does not depend
     on the ranks; the sums differ only in order)."""
-    _, whole = _train(tmp_path / "a", tmp_path / "a.jsonl")
-    step3 = tmp_path / "a" / "step-00000003"
+    a, whole = dp_run
+    step3 = a / "step-00000003"
     refused = launch(
         "--nproc-per-node", "1", "examples/train_gpt.py", "--preset", "tiny", "--steps", "6",
         "--out", str(tmp_path / "b"), "--resume", str(step3),
