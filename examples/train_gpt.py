@@ -111,11 +111,26 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def evaluate(logits_of: Callable, params: dict, batches: list[dict], mesh: sx.Mesh) -> float:
-    """Mean loss on ``batches`` (each rank its own), averaged over the dp axis."""
+def sequence_piece(y: torch.Tensor, sp: str | None, mesh: sx.Mesh) -> torch.Tensor:
+    """The targets this rank's logits predict: with Ulysses sequence
+    parallelism (``parallel.sp``) each rank's logits are its piece of the
+    sequence, so its targets are the same piece.
+
+    >>> sequence_piece(torch.arange(4)[None], None, sx.Mesh({"dp": 1}))
+    tensor([[0, 1, 2, 3]])
+    """
+    return y if sp is None else y.chunk(mesh.size(sp), dim=1)[mesh.axis_index(sp)]
+
+
+def evaluate(
+    loss_of: Callable, params: dict, batches: list[dict], mesh: sx.Mesh, axes: Sequence[str]
+) -> float:
+    """Mean loss on ``batches`` (each rank its own: ``loss_of(params,
+    batch)``), averaged over ``axes`` (the data axis, and the sequence
+    axis whose ranks hold pieces of the sequence)."""
     with torch.no_grad():
-        total = sum(cross_entropy(logits_of(params, b["x"]), b["y"]) for b in batches)
-    return float(sx.collectives.pmean(total / len(batches), "dp", mesh=mesh))
+        total = sum(loss_of(params, b) for b in batches)
+    return float(sx.collectives.pmean(total / len(batches), tuple(axes), mesh=mesh))
 
 
 def pipelined(
@@ -128,15 +143,17 @@ def pipelined(
     """The train step's ``grad_fn(params, batch, scale)`` and the
     evaluation loss ``val_fn(params, batch)`` under a pipeline: the
     schedule's micro-batches split each rank's batch, the loss on the last
-    stage, the gradients clipped by the whole model's norm."""
-    tp, clip = run.parallel.tp, run.optimizer.clip_global_norm
+    stage (the same on every rank of the pipeline: what ``val_fn``
+    returns), the gradients clipped by the whole model's norm."""
+    tp, sp, clip = run.parallel.tp, run.parallel.sp, run.optimizer.clip_global_norm
 
     def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if tp is not None:  # the head's logits are this rank's vocabulary piece
             return sx.vocab_parallel_cross_entropy(logits.float(), y, tp, mesh=mesh.submesh(tp))
-        return cross_entropy(logits, y)
+        return cross_entropy(logits, sequence_piece(y, sp, mesh))
 
-    rules = {"rules": run.make_rules()} if tp is not None else {}  # stand-ins' vocabulary pieces
+    # the rules give the stand-ins of the outer modules (run by middle stages) their pieces
+    rules = {"rules": run.make_rules()} if tp is not None or sp is not None else {}
     step = sx.pipeline.value_and_grad(
         model, loss_fn, pipe, stages, mesh=mesh, bucket_bytes=run.parallel.bucket_bytes, **rules
     )
@@ -149,13 +166,6 @@ def pipelined(
         return loss * scale, grads
 
     return grad_fn, lambda params, batch: value(params, batch["x"], batch["y"])
-
-
-def evaluate_pipelined(val_fn: Callable, params: dict, batches: list[dict], mesh: sx.Mesh) -> float:
-    """:func:`evaluate` under a pipeline: the loss is the last stage's,
-    already on every rank of the pipeline axis."""
-    total = sum(val_fn(params, b) for b in batches)
-    return float(sx.collectives.pmean(total / len(batches), "dp", mesh=mesh))
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -723,6 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
 
     tp = run.parallel.tp  # tensor parallelism: the head's logits are this rank's vocabulary piece
+    sp = run.parallel.sp  # Ulysses: the logits are this rank's piece of the sequence
 
     def loss_fn(params: dict, batch: dict, scale: float) -> torch.Tensor:
         logits = sx.apply(model, params, batch["x"])
@@ -730,7 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return (
                 sx.vocab_parallel_cross_entropy(logits.float(), batch["y"], tp, mesh=mesh) * scale
             )
-        return cross_entropy(logits, batch["y"]) * scale
+        return cross_entropy(logits, sequence_piece(batch["y"], sp, mesh)) * scale
 
     def logits_of(params: dict, x: torch.Tensor, rules: sx.Rules | None = None) -> torch.Tensor:
         """The whole vocabulary's logits (gathered over tp)."""
@@ -809,9 +820,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not val_batches:
         val_loss = float("nan")
     elif pipe is not None:
-        val_loss = evaluate_pipelined(val_fn, params, val_batches, mesh)
+        val_loss = evaluate(val_fn, params, val_batches, mesh, ["dp"])
     else:
-        val_loss = evaluate(logits_of, params, val_batches, mesh)
+        val_loss = evaluate(
+            lambda params, b: cross_entropy(logits_of(params, b["x"]), sequence_piece(b["y"], sp, mesh)),
+            params,
+            val_batches,
+            mesh,
+            ["dp"] if sp is None else ["dp", sp],
+        )
     say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
     if record and val_batches:
         record[-1]["val_loss"] = val_loss
@@ -827,8 +844,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.sample_tokens > 0:
         prompt = sx.data.TextDataset.encode(args.prompt)[None]
         # Prompts grow one token at a time: sequence parallelism, which splits the
-        # sequence over tp, gives way to plain tensor parallelism (same parameters).
+        # sequence (over tp, or Ulysses over sp), gives way to plain tensor
+        # parallelism (same parameters), or to no module rules at all.
         plain = sx.rules.megatron(tp) if tp is not None and run.parallel.sequence_parallel else None
+        if sp is not None:  # whole parameters under Ulysses: every rank runs the whole sequence
+            plain = sx.rules.zero(0)
         out = generate(
             lambda idx: logits_of(params, idx, plain),
             prompt,

@@ -392,10 +392,6 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
             'mesh: {dp: -1, pp: 2}\nparallel: {pp: "pp"}\nbatch: {global: 16, accumulation: 2}\n',
             "a pipeline accumulates over its own micro-batches; set parallel.pp_micro_batches",
         ),
-        (
-            'mesh: {dp: -1, pp: 2, sp: 2}\nparallel: {pp: "pp", sp: "sp"}\n',
-            "pipeline stages with Ulysses sequence parallelism are not supported yet",
-        ),
     ],
 )
 def test_every_bad_value_is_a_typed_error_naming_file_line_and_key(text, message):

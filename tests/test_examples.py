@@ -184,6 +184,32 @@ def test_train_gpt_with_a_pipeline(tmp_path, dp_run):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
 
+@pytest.mark.slow  # the mechanisms: tests/pipeline/test_executor.py (default run)
+def test_train_gpt_with_ulysses_alone_and_under_a_pipeline(tmp_path):
+    """A config with ``parallel.sp`` (Ulysses): each rank's logits are its
+    piece of the sequence, and its targets the same piece; alone (sp=2) and
+    under a pipeline (pp=2 × sp=2) the losses and the validation loss are
+    the one-rank run's."""
+    configs = {
+        "one": ("mesh: {dp: 1}\nparallel: {zero: 0}\n", 1),
+        "sp": ('mesh: {dp: 1, sp: 2}\nparallel: {sp: "sp"}\n', 2),
+        "ppsp": ('mesh: {dp: 1, pp: 2, sp: 2}\nparallel: {sp: "sp", pp: "pp"}\n', 4),
+    }
+    runs = {}
+    for name, (text, nproc) in configs.items():
+        (tmp_path / f"{name}.hjson").write_text(text)
+        stdout, metrics = _train(
+            tmp_path / name, tmp_path / f"{name}.jsonl", "--config", str(tmp_path / f"{name}.hjson"),
+            "--eval-batches", "2", nproc=nproc,
+        )  # fmt: skip
+        val = [line for line in stdout.splitlines() if "val loss" in line]
+        runs[name] = metrics, float(val[0].split("val loss ")[1].split()[0])
+    for name in ("sp", "ppsp"):
+        for a, b in zip(runs[name][0], runs["one"][0], strict=True):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (name, a, b)
+        assert abs(runs[name][1] - runs["one"][1]) <= 1e-3, name  # printed to 4 decimals
+
+
 @pytest.mark.slow  # the mechanism: tests/ckpt/test_resume_any_mesh.py (default run)
 def test_train_gpt_resumes_on_another_number_of_ranks(tmp_path, dp_run):
     """A 2-rank checkpoint resumes on 1 rank: without an RNG policy the run

@@ -61,11 +61,6 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero is a ZeRO stage 0..3; got {self.zero!r}")
         if self.sequence_parallel and self.tp is None:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp (the tensor axis)")
-        if self.pp is not None and self.sp is not None:
-            raise ConfigError(
-                "parallel.pp with parallel.sp: pipeline stages with Ulysses sequence parallelism "
-                "are not supported yet; use one of them (or tensor parallelism with pp)"
-            )
 
 
 @attrs.frozen

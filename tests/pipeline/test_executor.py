@@ -53,6 +53,10 @@ def _rules(name: str | None) -> Any:
         return None
     if name == "megatron":
         return sx.rules.megatron("tp")
+    if name == "ulysses":
+        return sx.rules.ulysses("sp")
+    if name == "ulysses+zero3":
+        return sx.rules.ulysses("sp") + sx.rules.zero(3, "dp")
     return sx.rules.zero(int(name.removeprefix("zero")))
 
 
@@ -76,7 +80,12 @@ def _ranked(
         def loss_fn(logits, y):
             return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh.submesh("tp"))
 
-    extra = {"rules": _rules(rules)} if rules == "megatron" else {}  # stand-ins' pieces
+    if rules in ("ulysses", "ulysses+zero3"):  # the logits are split over the sequence: this rank's targets
+
+        def loss_fn(logits, y):
+            return _ce(logits, y.chunk(mesh.size("sp"), dim=1)[mesh.axis_index("sp")])
+
+    extra = {"rules": _rules(rules)} if rules in ("megatron", "ulysses", "ulysses+zero3") else {}
     step = pipeline.value_and_grad(model, loss_fn, schedule, stages, mesh=mesh, **extra)
     opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
     state = opt.init(params)
@@ -157,6 +166,19 @@ def test_pp2_x_tp2_with_megatron(name):
     layers = 2 * SCHEDULES[name][1]
     make = functools.partial(_make, name, 2, 4)
     _matches(run_ranks(_ranked, make, {"pp": 2, "tp": 2}, layers, "megatron", world_size=4), layers)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [("1f1b", {"pp": 2, "sp": 2}), pytest.param("zbv", {"pp": 2, "sp": 2}, marks=pytest.mark.slow),
+     pytest.param("zb_h1", {"dp": 2, "pp": 2, "sp": 2}, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_pp_x_sp_with_ulysses(name, shape):
+    layers = 2 * SCHEDULES[name][1]
+    make = functools.partial(_make, name, 2, 4)
+    world = 8 if "dp" in shape else 4
+    rules = "ulysses+zero3" if "dp" in shape else "ulysses"
+    _matches(run_ranks(_ranked, make, shape, layers, rules, world_size=world), layers)
 
 
 def test_clipping_by_the_whole_pipelines_norm():
