@@ -271,6 +271,7 @@ class _Pipe:
         self.model, self.loss_fn, self.schedule, self.stages = model, loss_fn, schedule, stages
         self.mesh, self.axis, self.apply_kwargs = mesh, axis, apply_kwargs
         self.stand_ins: dict[Any, dict[str, Any]] = {}  # stage mesh -> what stands in
+        self.checked = False  # _check_rules ran (on the first step)
         self.rank = rank = mesh.axis_index(axis)
         mine = [s for s, r in enumerate(schedule.stage_rank) if r == rank]
         self.shapes = {k: (tuple(t.shape), t.dtype) for k, t in _model_tensors(model).items()}
@@ -293,25 +294,34 @@ class _Pipe:
             cached = self.stand_ins[mesh] = self._make_stand_ins(params, mesh)
         return dict(cached)
 
-    def _make_stand_ins(self, params: dict[str, Any], mesh: Mesh | None) -> dict[str, Any]:
-        missing = [k for k in self.shapes if k not in params]
+    def _check_rules(self, params: dict[str, Any]) -> None:
+        """Before the first step, on every rank of the axis: a rank that runs
+        only middle stages runs the outer modules on stand-ins, which must be
+        the pieces the params' module rules (tensor or sequence
+        parallelism) expect — from ``rules=``. Without them, a
+        ScheduleError on every rank (not a hang on the others)."""
         rules = self.apply_kwargs.get("rules")
         ends = {0, self.schedule.stages - 1}
         middle = not ends & set(self.runners)  # runs the outer modules without their params
-        if (
-            rules is None
-            and middle
-            and any(
-                isinstance(x, Sharded) and x.placement is not None and x.placement.modules
-                for x in params.values()
-            )
-        ):
+        placed = any(
+            isinstance(x, Sharded) and x.placement is not None and x.placement.modules
+            for x in params.values()
+        )
+        mine = torch.tensor([int(rules is None and middle and placed)], dtype=torch.int64)
+        every = C.all_gather(mine, self.axis, mesh=self.mesh)
+        if bool(every.any()):
+            ranks = [r for r in range(every.shape[0]) if every[r]]
             raise ScheduleError(
-                f"rank {self.rank} of {self.axis!r} runs only middle stages, whose outer modules "
-                "run on stand-ins of the first and last stage's parameters, and the params carry "
-                "module rules (tensor parallelism) that check their pieces: pass the rules "
-                "(pipeline.value_and_grad(..., rules=rules)) so the stand-ins take their shapes"
+                f"rank(s) {ranks} of {self.axis!r} run only middle stages, whose outer modules run "
+                "on stand-ins of the first and last stage's parameters, and the params carry "
+                "module rules (tensor or sequence parallelism) that check their pieces: pass the "
+                "rules (pipeline.value_and_grad(..., rules=rules)) so the stand-ins take their "
+                "shapes"
             )
+
+    def _make_stand_ins(self, params: dict[str, Any], mesh: Mesh | None) -> dict[str, Any]:
+        missing = [k for k in self.shapes if k not in params]
+        rules = self.apply_kwargs.get("rules")
         out: dict[str, Any] = {k: stand_in(*self.shapes[k]) for k in missing}
         if rules is not None and mesh is not None and missing:
             tree = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in self.shapes.items()}
@@ -330,6 +340,9 @@ class _Pipe:
         """One step (``tape`` None: the forwards alone): the loss, the grads."""
         schedule, rank = self.schedule, self.rank
         _check_params(params, self.expected, rank, self.axis)
+        if not self.checked:
+            self._check_rules(params)
+            self.checked = True
         micro_in = _micro(inputs, schedule.micro_batches, "inputs")
         micro_tg = _micro(targets, schedule.micro_batches, "targets")
         tracked: list[tuple[str, Any, Any]] = []

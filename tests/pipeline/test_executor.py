@@ -281,6 +281,31 @@ def test_bad_input_is_a_schedule_error_on_every_rank(case, match):
         assert __import__("re").search(match, message), message
 
 
+def _middle_without_rules() -> str:
+    mesh = sx.Mesh({"pp": 3, "tp": 2})
+    model = example_gpt(n_layers=3)
+    schedule = pipeline.one_f_one_b(3, 3)
+    stages = pipeline.split(model, 3)
+    full = sx.shard(sx.params_of(model), mesh.submesh("tp"), sx.rules.megatron("tp"))
+    params = stages.local(full, schedule, mesh.axis_index("pp"))
+    step = pipeline.value_and_grad(model, _ce, schedule, stages, mesh=mesh)  # no rules=
+    x = torch.zeros(3, 8, dtype=torch.long)
+    try:
+        step(params, x, x)
+    except ScheduleError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_middle_stage_under_tensor_parallelism_needs_the_rules_on_every_rank():
+    """pp=3 × tp=2: the ranks of the middle stage run the vocabulary-parallel
+    embedding on a stand-in whose shape only the rules give; without
+    ``rules=`` every rank stops with the same error before any send."""
+    for message in run_ranks(_middle_without_rules, world_size=6):
+        assert "rank(s) [1] of 'pp' run only middle stages" in message, message
+        assert "pipeline.value_and_grad(..., rules=rules)" in message
+
+
 def _lost_peer() -> str:
     mesh = sx.Mesh({"pp": 2}, timeout=3.0)
     model = example_gpt(n_layers=2)
