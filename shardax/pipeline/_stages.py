@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -149,8 +149,9 @@ def split(
             must divide evenly), ``"params"`` (consecutive runs with the
             fewest parameters on the busiest stage, the outer parameters
             counted on the first and last stage), ``"time"`` (the least
-            forward time on the busiest stage, each block timed on
-            ``sample``; the model must be real, not on ``meta``), or the
+            forward-and-backward time on the busiest stage, each block
+            timed on ``sample``; the model must be real, not on ``meta``;
+            its ``.grad`` are left as they are), or the
             number of blocks of each stage.
         shared: outer parameters every stage needs besides the buffers
             (which every stage holds): those whose values reach the blocks
@@ -236,41 +237,87 @@ def _by_time(
     stages: int,
     placement: tuple[int, ...] | None,
 ) -> tuple[int, ...]:
-    """Consecutive runs with the least forward time on the busiest stage:
-    each block timed on ``sample`` (the median of 3 forwards), what runs
-    before the first block counted on the first stage, after the last one
-    on the last."""
+    """Consecutive runs with the least forward-and-backward time on the
+    busiest stage (or rank): each block timed on ``sample`` (the median of
+    3 runs, after one to warm up), what runs before the first block counted on the first stage,
+    after the last one (the head and the loss) on the last."""
     if sample is None:
         raise ScheduleError("split(balance='time') times the model on an input: pass sample=")
-    blocks = list(container)
-    marks: list[float] = []
-
-    def mark(*_: Any) -> None:
-        marks.append(time.perf_counter())
-
-    handles = [b.register_forward_pre_hook(mark) for b in blocks]
-    handles.append(blocks[-1].register_forward_hook(mark))
     args = sample if isinstance(sample, tuple) else (sample,)
-    runs: list[list[float]] = []
+    runs = [_timed_run(model, list(container), args) for _ in range(4)][1:]  # the first: warm-up
+    median = [sorted(col)[1] for col in zip(*runs, strict=True)]
+    return _balance(median[1:-1], stages, median[0], median[-1], placement)
+
+
+def _timed_run(model: nn.Module, blocks: list[nn.Module], args: tuple[Any, ...]) -> list[float]:
+    """One forward and backward of ``model`` on ``args``: the time of what
+    runs before the first block, of each block, and after the last one,
+    forward and backward together. The backward is timed where the hidden
+    state's gradient arrives at each block's input (and at the last
+    block's output); where a block's output carries no gradient (a block
+    that does not train), each part's backward is taken as twice its
+    forward."""
+    forward: list[float] = []
+    backward: dict[int, float] = {}  # block i's input (n: the last block's output) -> its grad's time
+
+    def arrived(index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            backward.setdefault(index, time.perf_counter())
+
+        return hook
+
+    def entered(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+            forward.append(time.perf_counter())
+            x = a[0] if a else kw.get("hidden_states")
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(arrived(index))
+
+        return hook
+
+    def left(module: nn.Module, a: tuple[Any, ...], out: Any) -> None:
+        forward.append(time.perf_counter())
+        y = _first_tensor(out)
+        if y is not None and y.requires_grad:
+            y.register_hook(arrived(len(blocks)))
+
+    handles = [b.register_forward_pre_hook(entered(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles.append(blocks[-1].register_forward_hook(left))
     try:
-        for _ in range(3):
-            marks.clear()
-            with torch.no_grad():
-                start = time.perf_counter()
-                model(*args)
-                end = time.perf_counter()
-            if len(marks) != len(blocks) + 1:
-                raise ScheduleError(
-                    f"split(balance='time'): the model called its {len(blocks)} blocks "
-                    f"{len(marks) - 1} times on the sample; each block is called once, in order"
-                )
-            steps = [b - a for a, b in itertools.pairwise(marks)]
-            runs.append([marks[0] - start, *steps, end - marks[-1]])
+        start = time.perf_counter()
+        out = _first_tensor(model(*args))
+        mid = time.perf_counter()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if out is not None and out.requires_grad:  # the model's .grad left as it was
+            torch.autograd.grad(out.float().sum(), trained, allow_unused=True)
+        end = time.perf_counter()
     finally:
         for h in handles:
             h.remove()
-    median = [sorted(col)[1] for col in zip(*runs, strict=True)]
-    return _balance(median[1:-1], stages, median[0], median[-1], placement)
+    if len(forward) != len(blocks) + 1:
+        raise ScheduleError(
+            f"split(balance='time'): the model called its {len(blocks)} blocks "
+            f"{len(forward) - 1} times on the sample; each block is called once, in order"
+        )
+    marks = [start, *forward, mid]
+    fwd = [b - a for a, b in itertools.pairwise(marks)]  # before, each block, after
+    backward.setdefault(0, end)  # the first block's input needs no gradient: nothing before trains
+    if len(backward) != len(blocks) + 1:
+        return [3 * t for t in fwd]
+    back = [backward[i] for i in range(len(blocks) + 1)]  # arrival at block i's input; n: output
+    bwd = [end - back[0]]  # what runs before the first block: its backward comes last
+    bwd += [back[i] - back[i + 1] for i in range(len(blocks))]
+    bwd.append(back[len(blocks)] - mid)  # the head and the loss: the first to run backward
+    return [f + b for f, b in zip(fwd, bwd, strict=True)]
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    """The model's output tensor (the first of a tuple, or of a Hugging
+    Face output's fields)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
 def _balance(

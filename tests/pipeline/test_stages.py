@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import random
 
+import time
+
 import pytest
 import torch
 from _tiny import example_gpt, gpt2, llama
@@ -74,6 +76,43 @@ def test_balancing_by_parameters_and_by_counts():
     assert pipeline.split(model, 3, balance=[1, 2, 3]).counts == (1, 2, 3)
     timed = pipeline.split(model, 3, balance="time", sample=torch.zeros(2, 8, dtype=torch.long))
     assert sum(timed.counts) == 6 and len(timed.counts) == 3
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes 0.2 s (a block's forward here
+    takes microseconds: a margin of thousands, no race)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.2)
+        return g
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, slow: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+        self.slow = self.blocks[slow]
+        self.slow.register_forward_hook(lambda m, a, out: _SlowBackward.apply(out))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_balancing_by_time_counts_the_backward():
+    """The last block's backward is slow, its forward not: balanced by
+    forward and backward time it gets a stage of its own; the model's
+    ``.grad`` are left as they were."""
+    model = _Blocks(slow=3)
+    stages = pipeline.split(model, 2, balance="time", sample=torch.ones(2, 4))
+    assert stages.counts == (3, 1)
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize(
