@@ -61,12 +61,20 @@ def _rules(name: str | None) -> Any:
 
 
 def _ranked(
-    make: Any, shape: dict[str, int], n_layers: int, rules: str | None, clip: float = 0.0
+    make: Any,
+    shape: dict[str, int],
+    n_layers: int,
+    rules: str | None,
+    clip: float = 0.0,
+    compiled: bool = False,
 ) -> tuple[list[float], dict]:
     mesh = sx.Mesh(shape)
     schedule = make()
     torch.manual_seed(0)
     model = example_gpt(n_layers=n_layers)
+    if compiled:  # each block by torch.compile (inductor)
+        for block in model.blocks:
+            block.compile()
     stages = pipeline.split(model, schedule.stages)
     others = [a for a in mesh.axis_names if a != "pp"]
     if others:
@@ -179,6 +187,18 @@ def test_pp_x_sp_with_ulysses(name, shape):
     world = 8 if "dp" in shape else 4
     rules = "ulysses+zero3" if "dp" in shape else "ulysses"
     _matches(run_ranks(_ranked, make, shape, layers, rules, world_size=world), layers)
+
+
+@pytest.mark.slow  # compiling takes about 20 s per rank
+@pytest.mark.parametrize("name", ["zb_h1", "zbv"])
+def test_zero_bubble_schedules_run_compiled_blocks(name):
+    """Blocks compiled by ``torch.compile`` (inductor): zero-bubble
+    schedules (split backwards, deferred weight gradients) give the eager
+    single-process model's losses and parameters."""
+    layers = 2 * SCHEDULES[name][1]
+    make = functools.partial(_make, name, 2, 8)
+    results = run_ranks(_ranked, make, {"pp": 2}, layers, None, 0.0, True)
+    _matches(results, layers)
 
 
 def test_clipping_by_the_whole_pipelines_norm():
