@@ -59,13 +59,15 @@ class _Stage:
         self.first, self.last = stage == 0, stage == stages.stages - 1
 
     @contextlib.contextmanager
-    def running(self, x_in: torch.Tensor | None) -> Iterator[None]:
+    def running(self, x_in: torch.Tensor | None, probe: _Probe | None = None) -> Iterator[None]:
         handles, skipped = [], []
         blocks = list(self.container)
         for i, block in enumerate(blocks):
             if i not in self.range:
                 block.forward = _pass_through  # type: ignore[method-assign]
                 skipped.append(block)
+            elif probe is not None:
+                handles.append(block.register_forward_pre_hook(probe.look, with_kwargs=True))
         if not self.first:
             handles.append(blocks[self.range.start].register_forward_pre_hook(
                 _replace_hidden(x_in), with_kwargs=True))  # fmt: skip
@@ -96,6 +98,55 @@ def _replace_hidden(x_in: torch.Tensor | None) -> Callable[..., Any]:
 
 def _stop(module: nn.Module, args: Any, output: Any) -> None:
     raise StopForward(output)
+
+
+class _Probe:
+    """The first step's check that a stage computes everything its blocks
+    take: the stand-ins of the outer parameters this rank does not hold
+    require grad for that step, and every tensor a block takes besides the
+    hidden state is traced back through autograd; one that reaches a
+    stand-in (a learned bias computed outside the blocks and passed to
+    each) would be computed from zeros here."""
+
+    def __init__(self, leaves: dict[int, str]) -> None:
+        self.leaves = leaves  # id of a stand-in that requires grad -> its key path
+        self.found: set[str] = set()
+
+    def look(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if args:  # the hidden state first
+            taken = [*args[1:], *kwargs.values()]
+        else:
+            taken = [v for k, v in kwargs.items() if k != "hidden_states"]
+        stack = [t.grad_fn for t in _tensors(taken) if t.grad_fn is not None]
+        stack += [t for t in _tensors(taken) if t.grad_fn is None and id(t) in self.leaves]
+        seen: set[int] = set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if isinstance(node, torch.Tensor):  # a stand-in passed as it is
+                self.found.add(self.leaves[id(node)])
+                continue
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) in self.leaves:
+                self.found.add(self.leaves[id(variable)])
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors in ``values`` (and in tuples, lists and dicts in them)."""
+    out: list[torch.Tensor] = []
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return out
 
 
 class _Wire:
@@ -272,6 +323,7 @@ class _Pipe:
         self.mesh, self.axis, self.apply_kwargs = mesh, axis, apply_kwargs
         self.stand_ins: dict[Any, dict[str, Any]] = {}  # stage mesh -> what stands in
         self.checked = False  # _check_rules ran (on the first step)
+        self.probed = False  # _Probe ran (on the first step with gradients)
         self.rank = rank = mesh.axis_index(axis)
         mine = [s for s, r in enumerate(schedule.stage_rank) if r == rank]
         self.shapes = {k: (tuple(t.shape), t.dtype) for k, t in _model_tensors(model).items()}
@@ -319,6 +371,40 @@ class _Pipe:
                 "shapes"
             )
 
+    def _probe(self, full: dict[str, Any], params: dict[str, Any]) -> _Probe:
+        """A :class:`_Probe` for this step, with the stand-ins of the outer
+        parameters in ``full`` swapped for ones that require grad."""
+        leaves: dict[int, str] = {}
+        for k, x in full.items():
+            if k in params or k in self.buffers or self.stages.stage_of(k) is not None:
+                continue
+            if not x.dtype.is_floating_point:
+                continue
+            if isinstance(x, Sharded):
+                piece = stand_in(x.local.shape, x.dtype).requires_grad_()
+                full[k] = Sharded(piece, x.layout, x.shape, placement=x.placement)
+            else:
+                piece = full[k] = stand_in(x.shape, x.dtype).requires_grad_()
+            leaves[id(piece)] = k
+        return _Probe(leaves)
+
+    def _agree_probe(self, probe: _Probe) -> None:
+        """What the probe found, on every rank of the axis: a ScheduleError
+        naming the parameters and the ranks, else nothing."""
+        keys = sorted(self.shapes)
+        mine = torch.tensor([k in probe.found for k in keys], dtype=torch.int64)
+        every = C.all_gather(mine[None], self.axis, mesh=self.mesh)
+        where = every.nonzero().tolist()
+        if where:
+            names = sorted({keys[j] for _, j in where})
+            ranks = sorted({r for r, _ in where})
+            raise ScheduleError(
+                f"rank(s) {ranks} of {self.axis!r} run blocks that take, besides the hidden "
+                f"state, values computed from the outer parameters {names}, which those ranks do "
+                "not hold (they run only middle stages: the values would come from stand-ins); "
+                f"name them in pipeline.split(..., shared={names!r}) so every stage holds them"
+            )
+
     def _make_stand_ins(self, params: dict[str, Any], mesh: Mesh | None) -> dict[str, Any]:
         missing = [k for k in self.shapes if k not in params]
         rules = self.apply_kwargs.get("rules")
@@ -350,6 +436,9 @@ class _Pipe:
         if tape is not None:
             traced, tracked = tape.track(params)
         full = self._stand_ins(params)
+        probe = None
+        if tape is not None and not self.probed:
+            probe = self._probe(full, params)
         full.update(traced)
         world = _world(params)
         wire = _Wire(self.mesh, self.axis, schedule)
@@ -370,7 +459,7 @@ class _Pipe:
                     mode: Any = contextlib.nullcontext()
                     if tape is not None and (s, m) in self.split_backward:
                         mode = deferring(deferred.setdefault((s, m), WeightGrads()))
-                    with self.runners[s].running(x_in), mode:
+                    with self.runners[s].running(x_in, probe), mode:
                         out = apply(self.model, full, micro_in[m], **self.apply_kwargs)
                     if s == last:
                         out = self.loss_fn(out, micro_tg[m])
@@ -396,6 +485,9 @@ class _Pipe:
                 else:  # W
                     deferred.pop((s, m)).run()
             wire.finish()
+            if probe is not None:
+                self.probed = True
+                self._agree_probe(probe)
         finally:
             _TAPE.reset(token)
             if tape is not None:

@@ -156,7 +156,8 @@ def split(
         shared: outer parameters every stage needs besides the buffers
             (which every stage holds): those whose values reach the blocks
             other than through the hidden state. Their gradients are summed
-            over the pipeline.
+            over the pipeline. One left out is found by the executor's
+            first step (a ``ScheduleError`` naming it, on every rank).
         sample: with ``balance="time"``, the model's input (or a tuple of
             its positional inputs) to time the blocks on.
 

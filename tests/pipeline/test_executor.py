@@ -326,6 +326,67 @@ def test_a_middle_stage_under_tensor_parallelism_needs_the_rules_on_every_rank()
         assert "pipeline.value_and_grad(..., rules=rules)" in message
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h) + bias)
+
+
+class _BiasNet(torch.nn.Module):
+    """A learned bias computed outside the blocks and passed to each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.bias = torch.nn.Parameter(torch.randn(4))
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias, h = self.bias * 2, self.inp(x)
+        for block in self.blocks:
+            h = block(h, bias)
+        return h
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _bias_net(shared: list[str]) -> Any:
+    mesh = sx.Mesh({"pp": 2})
+    torch.manual_seed(0)
+    model = _BiasNet()
+    schedule = pipeline.zbv(2, 4)  # rank 1 runs stages 1 and 2: only middle stages
+    stages = pipeline.split(model, schedule, shared=shared)
+    params = stages.local(sx.params_of(model), schedule, mesh.axis_index("pp"))
+    step = pipeline.value_and_grad(model, _mse, schedule, stages, mesh=mesh)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 4)
+    try:
+        loss, grads = step(params, x, y)
+    except ScheduleError as err:
+        return str(err)
+    _mse(model(x), y).backward()
+    for k, g in grads.items():
+        torch.testing.assert_close(g, model.get_parameter(k).grad, msg=k)
+    torch.testing.assert_close(loss, _mse(model(x), y).detach())
+    return sorted(grads)
+
+
+def test_a_value_the_blocks_take_from_an_outer_parameter_must_be_shared():
+    """A bias computed outside the blocks reaches every block as an
+    argument: a rank of middle stages would compute it from a stand-in.
+    The first step finds it and stops every rank naming it; named in
+    ``shared=``, every stage holds it and the gradients are the model's."""
+    for message in run_ranks(_bias_net, []):
+        assert "rank(s) [1] of 'pp' run blocks that take" in message, message
+        assert "pipeline.split(..., shared=['bias'])" in message
+    held = run_ranks(_bias_net, ["bias"])
+    assert "bias" in held[0] and "bias" in held[1] and "inp.weight" not in held[1]
+
+
 def _lost_peer() -> str:
     mesh = sx.Mesh({"pp": 2}, timeout=3.0)
     model = example_gpt(n_layers=2)
@@ -333,9 +394,10 @@ def _lost_peer() -> str:
     stages = pipeline.split(model, 2)
     params = stages.local(sx.params_of(model), schedule, mesh.axis_index("pp"))
     step = pipeline.value_and_grad(model, _ce, schedule, stages, mesh=mesh)
-    if mesh.axis_index("pp") == 1:
-        return "left"  # the last stage never runs its step
     x = torch.zeros(2, 8, dtype=torch.long)
+    step(params, x, x)  # the first step, with its checks, on both ranks
+    if mesh.axis_index("pp") == 1:
+        return "left"  # the last stage never runs its second step
     try:
         step(params, x, x)
     except sx.CollectiveError as err:
