@@ -40,6 +40,7 @@ from ..shard._grad import _TAPE, Tape, _grad_of
 from ..shard._placement import Placement, role_layout
 from ..shard._sharded import Sharded
 from ..shard._transfer import Reducer
+from ._checks import Probe, check_rules
 from ._deferred import WeightGrads, deferring
 from ._schedule import Schedule
 from ._simulate import validate
@@ -59,7 +60,7 @@ class _Stage:
         self.first, self.last = stage == 0, stage == stages.stages - 1
 
     @contextlib.contextmanager
-    def running(self, x_in: torch.Tensor | None, probe: _Probe | None = None) -> Iterator[None]:
+    def running(self, x_in: torch.Tensor | None, probe: Probe | None = None) -> Iterator[None]:
         handles, skipped = [], []
         blocks = list(self.container)
         for i, block in enumerate(blocks):
@@ -98,55 +99,6 @@ def _replace_hidden(x_in: torch.Tensor | None) -> Callable[..., Any]:
 
 def _stop(module: nn.Module, args: Any, output: Any) -> None:
     raise StopForward(output)
-
-
-class _Probe:
-    """The first step's check that a stage computes everything its blocks
-    take: the stand-ins of the outer parameters this rank does not hold
-    require grad for that step, and every tensor a block takes besides the
-    hidden state is traced back through autograd; one that reaches a
-    stand-in (a learned bias computed outside the blocks and passed to
-    each) would be computed from zeros here."""
-
-    def __init__(self, leaves: dict[int, str]) -> None:
-        self.leaves = leaves  # id of a stand-in that requires grad -> its key path
-        self.found: set[str] = set()
-
-    def look(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if args:  # the hidden state first
-            taken = [*args[1:], *kwargs.values()]
-        else:
-            taken = [v for k, v in kwargs.items() if k != "hidden_states"]
-        stack = [t.grad_fn for t in _tensors(taken) if t.grad_fn is not None]
-        stack += [t for t in _tensors(taken) if t.grad_fn is None and id(t) in self.leaves]
-        seen: set[int] = set()
-        while stack:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if isinstance(node, torch.Tensor):  # a stand-in passed as it is
-                self.found.add(self.leaves[id(node)])
-                continue
-            variable = getattr(node, "variable", None)
-            if variable is not None and id(variable) in self.leaves:
-                self.found.add(self.leaves[id(variable)])
-            stack.extend(n for n, _ in node.next_functions if n is not None)
-
-
-def _tensors(values: Any) -> list[torch.Tensor]:
-    """The tensors in ``values`` (and in tuples, lists and dicts in them)."""
-    out: list[torch.Tensor] = []
-    stack = list(values)
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (tuple, list)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-    return out
 
 
 class _Wire:
@@ -346,65 +298,6 @@ class _Pipe:
             cached = self.stand_ins[mesh] = self._make_stand_ins(params, mesh)
         return dict(cached)
 
-    def _check_rules(self, params: dict[str, Any]) -> None:
-        """Before the first step, on every rank of the axis: a rank that runs
-        only middle stages runs the outer modules on stand-ins, which must be
-        the pieces the params' module rules (tensor or sequence
-        parallelism) expect — from ``rules=``. Without them, a
-        ScheduleError on every rank (not a hang on the others)."""
-        rules = self.apply_kwargs.get("rules")
-        ends = {0, self.schedule.stages - 1}
-        middle = not ends & set(self.runners)  # runs the outer modules without their params
-        placed = any(
-            isinstance(x, Sharded) and x.placement is not None and x.placement.modules
-            for x in params.values()
-        )
-        mine = torch.tensor([int(rules is None and middle and placed)], dtype=torch.int64)
-        every = C.all_gather(mine, self.axis, mesh=self.mesh)
-        if bool(every.any()):
-            ranks = [r for r in range(every.shape[0]) if every[r]]
-            raise ScheduleError(
-                f"rank(s) {ranks} of {self.axis!r} run only middle stages, whose outer modules run "
-                "on stand-ins of the first and last stage's parameters, and the params carry "
-                "module rules (tensor or sequence parallelism) that check their pieces: pass the "
-                "rules (pipeline.value_and_grad(..., rules=rules)) so the stand-ins take their "
-                "shapes"
-            )
-
-    def _probe(self, full: dict[str, Any], params: dict[str, Any]) -> _Probe:
-        """A :class:`_Probe` for this step, with the stand-ins of the outer
-        parameters in ``full`` swapped for ones that require grad."""
-        leaves: dict[int, str] = {}
-        for k, x in full.items():
-            if k in params or k in self.buffers or self.stages.stage_of(k) is not None:
-                continue
-            if not x.dtype.is_floating_point:
-                continue
-            if isinstance(x, Sharded):
-                piece = stand_in(x.local.shape, x.dtype).requires_grad_()
-                full[k] = Sharded(piece, x.layout, x.shape, placement=x.placement)
-            else:
-                piece = full[k] = stand_in(x.shape, x.dtype).requires_grad_()
-            leaves[id(piece)] = k
-        return _Probe(leaves)
-
-    def _agree_probe(self, probe: _Probe) -> None:
-        """What the probe found, on every rank of the axis: a ScheduleError
-        naming the parameters and the ranks, else nothing."""
-        keys = sorted(self.shapes)
-        mine = torch.tensor([k in probe.found for k in keys], dtype=torch.int64)
-        every = C.all_gather(mine[None], self.axis, mesh=self.mesh)
-        where = every.nonzero().tolist()
-        if where:
-            names = sorted({keys[j] for _, j in where})
-            ranks = sorted({r for r, _ in where})
-            raise ScheduleError(
-                f"rank(s) {ranks} of {self.axis!r} run blocks that take, besides the hidden "
-                f"state, values computed from the outer parameters {names}, which those ranks do "
-                "not hold (they run only middle stages: the values would come from stand-ins); "
-                f"name them in pipeline.split(..., shared={names!r}) so every stage holds them"
-            )
-
     def _make_stand_ins(self, params: dict[str, Any], mesh: Mesh | None) -> dict[str, Any]:
         missing = [k for k in self.shapes if k not in params]
         rules = self.apply_kwargs.get("rules")
@@ -427,7 +320,8 @@ class _Pipe:
         schedule, rank = self.schedule, self.rank
         _check_params(params, self.expected, rank, self.axis)
         if not self.checked:
-            self._check_rules(params)
+            middle = not {0, schedule.stages - 1} & set(self.runners)  # outer modules on stand-ins
+            check_rules(params, self.apply_kwargs.get("rules"), middle, self.mesh, self.axis)
             self.checked = True
         micro_in = _micro(inputs, schedule.micro_batches, "inputs")
         micro_tg = _micro(targets, schedule.micro_batches, "targets")
@@ -438,7 +332,7 @@ class _Pipe:
         full = self._stand_ins(params)
         probe = None
         if tape is not None and not self.probed:
-            probe = self._probe(full, params)
+            probe = Probe.swapping(full, params, self.buffers, self.stages)
         full.update(traced)
         world = _world(params)
         wire = _Wire(self.mesh, self.axis, schedule)
@@ -487,7 +381,7 @@ class _Pipe:
             wire.finish()
             if probe is not None:
                 self.probed = True
-                self._agree_probe(probe)
+                probe.agree(sorted(self.shapes), self.mesh, self.axis)
         finally:
             _TAPE.reset(token)
             if tape is not None:

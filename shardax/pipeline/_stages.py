@@ -259,7 +259,9 @@ def _timed_run(model: nn.Module, blocks: list[nn.Module], args: tuple[Any, ...])
     that does not train), each part's backward is taken as twice its
     forward."""
     forward: list[float] = []
-    backward: dict[int, float] = {}  # block i's input (n: the last block's output) -> its grad's time
+    backward: dict[
+        int, float
+    ] = {}  # block i's input (n: the last block's output) -> its grad's time
 
     def arrived(index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -282,7 +284,9 @@ def _timed_run(model: nn.Module, blocks: list[nn.Module], args: tuple[Any, ...])
         if y is not None and y.requires_grad:
             y.register_hook(arrived(len(blocks)))
 
-    handles = [b.register_forward_pre_hook(entered(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles = [
+        b.register_forward_pre_hook(entered(i), with_kwargs=True) for i, b in enumerate(blocks)
+    ]
     handles.append(blocks[-1].register_forward_hook(left))
     try:
         start = time.perf_counter()
@@ -317,7 +321,9 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
     Face output's fields)."""
     if isinstance(out, torch.Tensor):
         return out
-    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    values = (
+        out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    )
     return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 

@@ -88,7 +88,7 @@ def _ranked(
         def loss_fn(logits, y):
             return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh.submesh("tp"))
 
-    if rules in ("ulysses", "ulysses+zero3"):  # the logits are split over the sequence: this rank's targets
+    if rules in ("ulysses", "ulysses+zero3"):  # the logits: this rank's piece of the sequence
 
         def loss_fn(logits, y):
             return _ce(logits, y.chunk(mesh.size("sp"), dim=1)[mesh.axis_index("sp")])

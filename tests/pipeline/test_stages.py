@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import random
-
 import time
 
 import pytest
