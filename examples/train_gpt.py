@@ -822,13 +822,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif pipe is not None:
         val_loss = evaluate(val_fn, params, val_batches, mesh, ["dp"])
     else:
-        val_loss = evaluate(
-            lambda params, b: cross_entropy(logits_of(params, b["x"]), sequence_piece(b["y"], sp, mesh)),
-            params,
-            val_batches,
-            mesh,
-            ["dp"] if sp is None else ["dp", sp],
-        )
+
+        def val_loss_of(params: dict, b: dict) -> torch.Tensor:
+            return cross_entropy(logits_of(params, b["x"]), sequence_piece(b["y"], sp, mesh))
+
+        axes = ["dp"] if sp is None else ["dp", sp]  # sp: each rank a piece of the sequence
+        val_loss = evaluate(val_loss_of, params, val_batches, mesh, axes)
     say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
     if record and val_batches:
         record[-1]["val_loss"] = val_loss
