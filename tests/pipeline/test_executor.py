@@ -302,7 +302,7 @@ def test_bad_input_is_a_schedule_error_on_every_rank(case, match):
 
 
 def _middle_without_rules() -> str:
-    mesh = sx.Mesh({"pp": 3, "tp": 2})
+    mesh = sx.Mesh({"pp": 3, "tp": 1})  # tp of 1: the module rules are the same
     model = example_gpt(n_layers=3)
     schedule = pipeline.one_f_one_b(3, 3)
     stages = pipeline.split(model, 3)
@@ -318,10 +318,11 @@ def _middle_without_rules() -> str:
 
 
 def test_a_middle_stage_under_tensor_parallelism_needs_the_rules_on_every_rank():
-    """pp=3 × tp=2: the ranks of the middle stage run the vocabulary-parallel
+    """pp=3 with Megatron rules (over a tp axis of 1: the same module rules):
+    the rank of the middle stage runs the vocabulary-parallel
     embedding on a stand-in whose shape only the rules give; without
     ``rules=`` every rank stops with the same error before any send."""
-    for message in run_ranks(_middle_without_rules, world_size=6):
+    for message in run_ranks(_middle_without_rules, world_size=3):
         assert "rank(s) [1] of 'pp' run only middle stages" in message, message
         assert "pipeline.value_and_grad(..., rules=rules)" in message
 
