@@ -1,8 +1,8 @@
 """Differentiable collectives over mesh axes, with JAX's names.
 
 ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
-``all_to_all``, ``ppermute``, ``broadcast``, ``axis_index``, ``axis_size``,
-``barrier``; ``count_once`` for a loss every rank computes identically.
+``all_to_all``, ``ragged_all_to_all`` (with ``exchange_sizes``), ``ppermute``,
+``broadcast``, ``axis_index``, ``axis_size``, ``barrier``; ``count_once`` for a loss every rank computes identically.
 Their autograd transposes are one table (:mod:`shardax.collectives._ops`).
 
 One return rule for every collective that returns a tensor: it returns the
@@ -42,6 +42,8 @@ from ._ops import chunk_sizes as chunk_sizes
 from ._ops import transpose as transpose
 from ._p2p import recv as recv
 from ._p2p import send as send
+from ._ragged import exchange_sizes as exchange_sizes
+from ._ragged import ragged_all_to_all as ragged_all_to_all
 from ._traffic import Traffic as Traffic
 from ._traffic import traffic as traffic
 
@@ -58,6 +60,7 @@ __all__ = [
     "backend_names",
     "barrier",
     "broadcast",
+    "exchange_sizes",
     "chunk_sizes",
     "count_once",
     "get_backend",
@@ -68,6 +71,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "ragged_all_to_all",
     "recv",
     "send",
     "traffic",

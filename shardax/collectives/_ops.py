@@ -16,6 +16,7 @@ pmean             pmean
 all_gather        psum_scatter (same pieces)
 psum_scatter      all_gather (same pieces)
 all_to_all        all_to_all with split and concat dims swapped
+ragged_all_to_all ragged_all_to_all with send and receive sizes swapped
 ppermute          ppermute with the inverse permutation
 broadcast(root)   reduce(root): psum, kept on ``root`` only
 reduce(root)      broadcast(root)
