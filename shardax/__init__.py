@@ -18,6 +18,7 @@ from . import ckpt as ckpt
 from . import collectives as collectives
 from . import config as config
 from . import data as data
+from . import moe as moe
 from . import monitor as monitor
 from . import optim as optim
 from . import pipeline as pipeline
@@ -109,6 +110,7 @@ __all__ = [
     "config",
     "data",
     "monitor",
+    "moe",
     "explain",
     "gather",
     "init",

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("collectives",),
     ("shard",),
     ("rules", "optim", "data"),
-    ("pipeline",),
+    ("pipeline", "moe"),
     ("ckpt", "monitor", "report", "config"),
     ("launch",),
     ("cli",),

@@ -1,0 +1,184 @@
+"""Dispatch and combine: tokens to their experts' buffers and back.
+
+:func:`dispatch` turns ``[tokens, d]`` and a :class:`~._router.Routing`
+into one buffer ``[local experts, slots, d]`` per rank — the tokens of
+each expert side by side, so that every expert runs as one batched matmul
+(:func:`swiglu_experts`: no Python loop over experts) — and a
+:class:`Plan` of where each row came from; :func:`combine` runs the plan
+backwards and sums each token's expert outputs with their weights.
+
+Over an ``ep`` axis the experts are split in contiguous runs (rank ``r``
+holds experts ``r·E/n … (r+1)·E/n − 1``): each rank sorts its (token,
+choice) pairs by expert, exchanges the per-expert counts, and sends each
+rank its experts' rows with :func:`~shardax.collectives.ragged_all_to_all`
+(and back, whose transpose carries the gradients). Every step is
+differentiable.
+
+Choices are served in priority order: every token's first choice, in
+token order, before any second choice (GShard, DeepSpeed). With a
+``capacity``, the pairs past it on each expert are dropped — their
+output is zero, the residual path carries the token — and the plan says
+how many (:attr:`Plan.dropped`). Without one (dropless), every pair runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import collectives as C
+from ..errors import ShardingError
+from ..mesh._mesh import Mesh
+from ._router import Routing
+
+__all__ = ["Plan", "capacity_of", "combine", "dispatch", "swiglu_experts"]
+
+
+class Plan(NamedTuple):
+    """Where the rows of one :func:`dispatch` went."""
+
+    tokens: int  # rows of the input
+    token: torch.Tensor  # [pairs kept] the token of each kept pair, in expert order
+    weight: torch.Tensor  # [pairs kept] its combine weight
+    slot: torch.Tensor  # [rows here] each row's place in the flat buffer [experts · slots]
+    send: tuple[int, ...]  # rows sent to each member of the axis (empty: one rank)
+    recv: tuple[int, ...]  # rows received from each
+    dropped: int  # pairs past capacity, on this rank
+    axis: str | None
+    mesh: Mesh | None
+
+
+def capacity_of(tokens: int, experts: int, k: int, factor: float) -> int:
+    """Slots per expert for ``tokens`` tokens, ``k`` choices each:
+    ``ceil(factor · tokens · k / experts)`` (at least 1).
+
+    >>> capacity_of(8, 4, 2, 1.0), capacity_of(8, 4, 2, 1.25)
+    (4, 5)
+    """
+    return max(1, math.ceil(factor * tokens * k / experts))
+
+
+def dispatch(
+    x: torch.Tensor,
+    routing: Routing,
+    *,
+    capacity: int | None = None,
+    axis: str | None = None,
+    mesh: Mesh | None = None,
+) -> tuple[torch.Tensor, Plan]:
+    """``x`` (``[tokens, d]``) laid out for the experts: a buffer
+    ``[local experts, slots, d]`` (zeros in unused slots) and its plan.
+
+    ``capacity``: at most that many pairs per expert from this rank's
+    tokens (the rest dropped); None: dropless, the slots the fullest
+    expert needs. ``axis``: the mesh axis the experts are split over
+    (``mesh``'s); None: every expert here.
+
+    >>> import torch
+    >>> from shardax.moe import route
+    >>> r = route(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), 1)
+    >>> buffer, plan = dispatch(torch.arange(3.0)[:, None], r)
+    >>> buffer[..., 0].tolist(), plan.dropped
+    ([[0.0, 2.0], [1.0, 0.0]], 0)
+    """
+    if x.dim() != 2 or routing.experts.shape[0] != x.shape[0]:
+        raise ShardingError(
+            f"dispatch takes x as [tokens, d] with one routing row per token; got x "
+            f"{tuple(x.shape)} and routing for {routing.experts.shape[0]} tokens"
+        )
+    n_experts, k = routing.num_experts, routing.experts.shape[1]
+    ranks = mesh.size(axis) if axis is not None and mesh is not None else 1
+    if axis is not None and mesh is None:
+        raise ShardingError("dispatch(axis=...) needs the mesh: dispatch(..., mesh=mesh)")
+    if n_experts % ranks:
+        raise ShardingError(
+            f"dispatch: {n_experts} experts do not split evenly over {axis!r} of size {ranks}"
+        )
+    local = n_experts // ranks
+    tokens = x.shape[0]
+    # pairs in priority order: every first choice (token order), then every second, ...
+    expert = routing.experts.t().reshape(-1)
+    token = torch.arange(tokens, device=x.device).repeat(k)
+    weight = routing.weights.t().reshape(-1)
+    expert, order = torch.sort(expert, stable=True)
+    token, weight = token[order], weight[order]
+    counts = torch.bincount(expert, minlength=n_experts)
+    dropped = 0
+    if capacity is not None:
+        starts = torch.cumsum(counts, 0) - counts
+        within = torch.arange(expert.numel(), device=x.device) - starts[expert]
+        keep = within < capacity
+        dropped = int((~keep).sum())
+        expert, token, weight = expert[keep], token[keep], weight[keep]
+        counts = counts.clamp(max=capacity)
+    rows = x[token]
+    send: tuple[int, ...] = ()
+    recv: tuple[int, ...] = ()
+    if ranks > 1:
+        assert axis is not None and mesh is not None
+        mine = counts.view(ranks, local)  # row j: what this rank sends rank j, by its experts
+        got = C.ragged_all_to_all(mine, axis, [1] * ranks, [1] * ranks, mesh=mesh)  # [src, local]
+        send = tuple(int(s) for s in mine.sum(1).tolist())
+        recv = tuple(int(r) for r in got.sum(1).tolist())
+        rows = C.ragged_all_to_all(rows, axis, send, recv, mesh=mesh)
+        # the rows arrive by source rank, each source's sorted by local expert
+        here = torch.repeat_interleave(
+            torch.arange(local, device=x.device).repeat(ranks), got.reshape(-1)
+        )
+        local_counts = got.sum(0)
+    else:
+        here, local_counts = expert, counts
+    slots = int(local_counts.max()) if local_counts.numel() else 0
+    if capacity is not None and ranks == 1:
+        slots = capacity
+    # each row's place: its expert's block, then its rank among that expert's rows
+    here_sorted, by_expert = torch.sort(here, stable=True)
+    starts = torch.cumsum(local_counts, 0) - local_counts
+    within = torch.empty_like(here)
+    within[by_expert] = torch.arange(here.numel(), device=x.device) - starts[here_sorted]
+    slot = here * slots + within
+    buffer = rows.new_zeros(local * slots, x.shape[1]).index_add(0, slot, rows)
+    plan = Plan(tokens, token, weight, slot, send, recv, dropped, axis, mesh)
+    return buffer.view(local, slots, x.shape[1]), plan
+
+
+def combine(y: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The experts' outputs (``[local experts, slots, d']``) back to the
+    tokens: ``[tokens, d']``, each token the weighted sum of its kept
+    choices' outputs (dropped ones add nothing).
+
+    >>> import torch
+    >>> from shardax.moe import route
+    >>> r = route(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), 1)
+    >>> buffer, plan = dispatch(torch.tensor([[1.0], [2.0]]), r)
+    >>> combine(buffer * 10, plan).tolist()
+    [[10.0], [20.0]]
+    """
+    rows = y.reshape(-1, y.shape[-1])[plan.slot]
+    if plan.send:
+        rows = C.ragged_all_to_all(rows, plan.axis, plan.recv, plan.send, mesh=plan.mesh)
+    rows = rows * plan.weight[:, None].to(rows.dtype)
+    return rows.new_zeros(plan.tokens, y.shape[-1]).index_add(0, plan.token, rows)
+
+
+def swiglu_experts(
+    buffer: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu"
+) -> torch.Tensor:
+    """Every expert's gated MLP at once, as Mixtral's and Qwen2-MoE's
+    experts compute it: ``down(act(gate(x)) · up(x))`` with the weights
+    stacked as Hugging Face stores them — ``gate_up`` ``[experts, 2f, d]``
+    (gate rows first), ``down`` ``[experts, d, f]``. Two batched matmuls.
+
+    >>> import torch
+    >>> swiglu_experts(torch.ones(2, 3, 4), torch.ones(2, 10, 4), torch.ones(2, 4, 5)).shape
+    torch.Size([2, 3, 4])
+    """
+    h = torch.bmm(buffer, gate_up.transpose(1, 2))
+    gate, up = h.chunk(2, dim=-1)
+    activation = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}.get(act)
+    if activation is None:
+        raise ShardingError(f"swiglu_experts: act is 'silu', 'gelu' or 'relu'; got {act!r}")
+    return torch.bmm(activation(gate) * up, down.transpose(1, 2))
