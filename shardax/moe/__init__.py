@@ -17,6 +17,7 @@ from ._dispatch import capacity_of as capacity_of
 from ._dispatch import combine as combine
 from ._dispatch import dispatch as dispatch
 from ._dispatch import swiglu_experts as swiglu_experts
+from ._parallel import expert_parallel as expert_parallel
 from ._router import Routing as Routing
 from ._router import load_balancing_loss as load_balancing_loss
 from ._router import route as route
@@ -29,6 +30,7 @@ __all__ = [
     "capacity_of",
     "combine",
     "dispatch",
+    "expert_parallel",
     "load_balancing_loss",
     "route",
     "swiglu_experts",

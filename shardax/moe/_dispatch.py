@@ -24,6 +24,7 @@ how many (:attr:`Plan.dropped`). Without one (dropless), every pair runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -68,6 +69,7 @@ def dispatch(
     capacity: int | None = None,
     axis: str | None = None,
     mesh: Mesh | None = None,
+    num_experts: int | None = None,
 ) -> tuple[torch.Tensor, Plan]:
     """``x`` (``[tokens, d]``) laid out for the experts: a buffer
     ``[local experts, slots, d]`` (zeros in unused slots) and its plan.
@@ -89,7 +91,8 @@ def dispatch(
             f"dispatch takes x as [tokens, d] with one routing row per token; got x "
             f"{tuple(x.shape)} and routing for {routing.experts.shape[0]} tokens"
         )
-    n_experts, k = routing.num_experts, routing.experts.shape[1]
+    n_experts = routing.num_experts if num_experts is None else num_experts
+    k = routing.experts.shape[1]
     ranks = mesh.size(axis) if axis is not None and mesh is not None else 1
     if axis is not None and mesh is None:
         raise ShardingError("dispatch(axis=...) needs the mesh: dispatch(..., mesh=mesh)")
@@ -165,12 +168,16 @@ def combine(y: torch.Tensor, plan: Plan) -> torch.Tensor:
 
 
 def swiglu_experts(
-    buffer: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu"
+    buffer: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: str | Callable[[torch.Tensor], torch.Tensor] = "silu",
 ) -> torch.Tensor:
     """Every expert's gated MLP at once, as Mixtral's and Qwen2-MoE's
     experts compute it: ``down(act(gate(x)) · up(x))`` with the weights
     stacked as Hugging Face stores them — ``gate_up`` ``[experts, 2f, d]``
     (gate rows first), ``down`` ``[experts, d, f]``. Two batched matmuls.
+    ``act``: ``"silu"``, ``"gelu"``, ``"relu"`` or a function.
 
     >>> import torch
     >>> swiglu_experts(torch.ones(2, 3, 4), torch.ones(2, 10, 4), torch.ones(2, 4, 5)).shape
@@ -178,7 +185,7 @@ def swiglu_experts(
     """
     h = torch.bmm(buffer, gate_up.transpose(1, 2))
     gate, up = h.chunk(2, dim=-1)
-    activation = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}.get(act)
+    activation = act if callable(act) else {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}.get(act)
     if activation is None:
         raise ShardingError(f"swiglu_experts: act is 'silu', 'gelu' or 'relu'; got {act!r}")
     return torch.bmm(activation(gate) * up, down.transpose(1, 2))

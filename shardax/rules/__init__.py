@@ -16,6 +16,7 @@ from ..shard._matching import Rules as Rules
 from ..shard._modules import ModuleRule as ModuleRule
 from ..shard._modules import Relayout as Relayout
 from ..shard._placement import ShardOver as ShardOver
+from ._experts import experts as experts
 from ._megatron import megatron as megatron
 from ._names import GPT2_NAMES as GPT2_NAMES
 from ._names import GPT_NAMES as GPT_NAMES
@@ -34,6 +35,7 @@ __all__ = [
     "Rules",
     "ShardOver",
     "TransformerNames",
+    "experts",
     "megatron",
     "ulysses",
     "zero",

@@ -63,8 +63,11 @@ class ShardOver:
     """Additionally split the leaves matching ``pattern`` over ``axis`` in the
     given roles, on top of the spec the ordinary rules give them. The split
     goes on the first dim that stays evenly divisible (else dim 0, in uneven
-    chunks), after any axes already on that dim; leaves already split over
-    ``axis`` and scalars are left alone. ``rules.zero`` is made of these.
+    chunks), after any axes already on that dim. Of several axes, those a
+    leaf is already split over are left out (experts split over ``ep`` by
+    ``rules.experts`` take ZeRO's ``("dp", "ep")`` over ``dp`` only, the data
+    ranks that hold the same experts); leaves split over all of them, and
+    scalars, are left alone. ``rules.zero`` is made of these.
 
     >>> from shardax import AbstractMesh, P
     >>> over = ShardOver("dp", roles=("grads", "opt_state"))
@@ -75,6 +78,8 @@ class ShardOver:
     P(('tp', 'dp'))
     >>> over.extend(P(), (3, 4), mesh)
     P(None, 'dp')
+    >>> ShardOver(("dp", "tp")).extend(P("tp", None), (8, 6), mesh)
+    P(('tp', 'dp'))
     """
 
     axis: tuple[str, ...] = attrs.field(converter=_axes)
@@ -99,10 +104,11 @@ class ShardOver:
     ) -> PartitionSpec:
         """``spec`` with ``axis`` added on the dim it fits best."""
         mesh.check_axes(self.axis, what=f"axes of {self!r}")
-        if not shape or any(a in spec.axes for a in self.axis):
+        adding = tuple(a for a in self.axis if a not in spec.axes)
+        if not shape or not adding:
             return spec
         entries = list(spec) + [None] * (len(shape) - len(spec))
-        new = math.prod(mesh.size(a) for a in self.axis)
+        new = math.prod(mesh.size(a) for a in adding)
 
         ks = spec.dim_blocks(len(shape))
 
@@ -118,7 +124,7 @@ class ShardOver:
             return size % (have * new) == 0 and size >= have * new
 
         dim = next((d for d in range(len(shape)) if fits(d)), 0)
-        axes = existing(dim) + self.axis
+        axes = existing(dim) + adding
         entries[dim] = Blocks(ks[dim], axes) if ks[dim] > 1 else axes[0] if len(axes) == 1 else axes
         while entries and entries[-1] is None:
             entries.pop()

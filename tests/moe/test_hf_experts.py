@@ -1,0 +1,93 @@
+"""Hugging Face Mixtral under ``rules.experts("ep")``: each rank holds,
+runs and updates half the experts of every layer, the tokens travel to
+their experts and back, the model's own names and shapes untouched; 5
+AdamW steps on ep=2 (each rank half of each batch) match
+``torch.optim.AdamW`` on the single-process model — loss and every
+parameter to 1e-5."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import run_ranks
+from _parity import torch_adamw_steps
+from _tiny import SEQ, VOCAB
+
+import shardax as sx
+
+STEPS, BATCH = 5, 4
+HYPER = (1e-2, (0.9, 0.95), 1e-4, 0.1)
+
+
+def _mixtral() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
+def _loss(output, y: torch.Tensor) -> torch.Tensor:
+    logits = output.logits if hasattr(output, "logits") else output
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+         torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+        for _ in range(STEPS)
+    ]  # fmt: skip
+
+
+@functools.cache
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return torch_adamw_steps(_mixtral(), _loss, _batches(), HYPER)
+
+
+def _on_ep(shape: dict[str, int], zero: int) -> tuple[list[float], dict, dict[str, str]]:
+    mesh = sx.Mesh(shape)
+    data = tuple(shape)  # the batch split over every axis: ep ranks are data-parallel too
+    n, me = mesh.size(data), mesh.axis_index(data)
+    model = _mixtral()
+    rules = sx.rules.experts("ep") + sx.rules.zero(zero, data)
+    params = sx.shard(sx.params_of(model), mesh, rules)
+    specs = {k: repr(v.layout.spec) for k, v in params.items() if "experts" in k}
+    lr, (b1, b2), eps, wd = HYPER
+    opt = sx.optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
+    state = opt.init(params)
+    grad_fn = sx.value_and_grad(lambda p, x, y: _loss(sx.apply(model, p, x), y))
+    losses = []
+    for x, y in _batches():
+        rows = slice(me * BATCH // n, (me + 1) * BATCH // n)  # each rank its half of the batch
+        loss, grads = grad_fn(params, x[rows], y[rows])
+        params, state = sx.optim.step(opt, grads, state, params)
+        losses.append(loss.item())
+    return losses, {k: sx.gather(v) for k, v in params.items()}, specs
+
+
+@pytest.mark.parametrize(
+    ("shape", "zero"),
+    [({"ep": 2}, 0), ({"dp": 2, "ep": 2}, 3)],
+    ids=["ep2", "dp2xep2-zero3"],
+)
+def test_mixtral_with_its_experts_split_over_ep_matches_the_single_process_model(shape, zero):
+    ref_losses, ref_params = _reference()
+    world = 4 if "dp" in shape else 2
+    for losses, params, specs in run_ranks(_on_ep, shape, zero, world_size=world):
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
+        assert set(ref_params) <= set(params)  # and the buffers
+        for k in ref_params:
+            v = params[k]
+            assert v.shape == ref_params[k].shape, k  # the model's own names and shapes
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5, msg=k)
+        want = "P('ep')" if zero == 0 else "P(('ep', 'dp'))"  # ZeRO-3: the rest over dp
+        assert specs["model.layers.0.mlp.experts.gate_up_proj"] == want, specs
