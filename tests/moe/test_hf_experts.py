@@ -76,8 +76,10 @@ def _on_ep(shape: dict[str, int], zero: int) -> tuple[list[float], dict, dict[st
 
 @pytest.mark.parametrize(
     ("shape", "zero"),
-    [({"ep": 2}, 0), ({"dp": 2, "ep": 2}, 3)],
-    ids=["ep2", "dp2xep2-zero3"],
+    [
+        pytest.param({"ep": 2}, 0, id="ep2"),
+        pytest.param({"dp": 2, "ep": 2}, 3, id="dp2xep2-zero3", marks=pytest.mark.slow),
+    ],
 )
 def test_mixtral_with_its_experts_split_over_ep_matches_the_single_process_model(shape, zero):
     ref_losses, ref_params = _reference()

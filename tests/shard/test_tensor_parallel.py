@@ -233,7 +233,11 @@ def train_ulysses(shape: dict[str, int], stage: int) -> tuple[list[float], dict,
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
-    ("shape", "stage"), [({"sp": 2}, 0), ({"dp": 2, "sp": 2}, 3)], ids=["sp2", "dp2xsp2-zero3"]
+    ("shape", "stage"),
+    [
+        pytest.param({"sp": 2}, 0, id="sp2"),
+        pytest.param({"dp": 2, "sp": 2}, 3, id="dp2xsp2-zero3", marks=pytest.mark.slow),
+    ],
 )
 def test_ulysses_gpt_matches_pytorch(shape, stage):
     """Ulysses on the example GPT (causal SDPA): the sequence split over sp,
