@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral under ``rules.experts("ep")``: each rank holds,
+"""Hugging Face Mixtral and Qwen2-MoE under ``rules.experts("ep")``: each rank holds,
 runs and updates half the experts of every layer, the tokens travel to
 their experts and back, the model's own names and shapes untouched; 5
 AdamW steps on ep=2 (each rank half of each batch) match
@@ -22,16 +22,25 @@ STEPS, BATCH = 5, 4
 HYPER = (1e-2, (0.9, 0.95), 1e-4, 0.1)
 
 
-def _mixtral() -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
+def _model(family: str) -> torch.nn.Module:
+    """A tiny Mixtral, or Qwen2-MoE (its shared expert dense, top-k weights
+    not renormalised), 4 experts, top-2."""
+    import transformers as tf
 
     torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        num_local_experts=4, num_experts_per_tok=2,
+    sizes = {
+        "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": SEQ, "num_experts_per_tok": 2,
+    }  # fmt: skip
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(
+            tf.MixtralConfig(**sizes, intermediate_size=24, num_local_experts=4)
+        )
+    config = tf.Qwen2MoeConfig(
+        **sizes, num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+        intermediate_size=32, norm_topk_prob=False,
     )  # fmt: skip
-    return MixtralForCausalLM(config)
+    return tf.Qwen2MoeForCausalLM(config)
 
 
 def _loss(output, y: torch.Tensor) -> torch.Tensor:
@@ -49,15 +58,17 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @functools.cache
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return torch_adamw_steps(_mixtral(), _loss, _batches(), HYPER)
+def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    return torch_adamw_steps(_model(family), _loss, _batches(), HYPER)
 
 
-def _on_ep(shape: dict[str, int], zero: int) -> tuple[list[float], dict, dict[str, str]]:
+def _on_ep(
+    family: str, shape: dict[str, int], zero: int
+) -> tuple[list[float], dict, dict[str, str]]:
     mesh = sx.Mesh(shape)
     data = tuple(shape)  # the batch split over every axis: ep ranks are data-parallel too
     n, me = mesh.size(data), mesh.axis_index(data)
-    model = _mixtral()
+    model = _model(family)
     rules = sx.rules.experts("ep") + sx.rules.zero(zero, data)
     params = sx.shard(sx.params_of(model), mesh, rules)
     specs = {k: repr(v.layout.spec) for k, v in params.items() if "experts" in k}
@@ -75,16 +86,24 @@ def _on_ep(shape: dict[str, int], zero: int) -> tuple[list[float], dict, dict[st
 
 
 @pytest.mark.parametrize(
-    ("shape", "zero"),
+    ("family", "shape", "zero"),
     [
-        pytest.param({"ep": 2}, 0, id="ep2"),
-        pytest.param({"dp": 2, "ep": 2}, 3, id="dp2xep2-zero3", marks=pytest.mark.slow),
+        pytest.param("mixtral", {"ep": 2}, 0, id="mixtral-ep2"),
+        pytest.param("qwen2_moe", {"ep": 2}, 0, id="qwen2_moe-ep2"),
+        pytest.param(
+            "mixtral", {"dp": 2, "ep": 2}, 3, id="mixtral-dp2xep2-zero3", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "qwen2_moe", {"dp": 2, "ep": 2}, 3, id="qwen2_moe-dp2xep2-zero3", marks=pytest.mark.slow
+        ),
     ],
 )
-def test_mixtral_with_its_experts_split_over_ep_matches_the_single_process_model(shape, zero):
-    ref_losses, ref_params = _reference()
+def test_hf_moe_models_with_their_experts_split_over_ep_match_the_single_process_model(
+    family, shape, zero
+):
+    ref_losses, ref_params = _reference(family)
     world = 4 if "dp" in shape else 2
-    for losses, params, specs in run_ranks(_on_ep, shape, zero, world_size=world):
+    for losses, params, specs in run_ranks(_on_ep, family, shape, zero, world_size=world):
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
         assert set(ref_params) <= set(params)  # and the buffers
         for k in ref_params:
