@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _bench import check_training_row
+
 ROOT = Path(__file__).resolve().parents[1]
 # DDP, torch and shardax with a stage per rank and two in a V (the tied
 # head on the embedding's rank); pytest -m slow is not needed for the others:
@@ -36,11 +38,7 @@ def test_pipeline_benchmark_smoke(tmp_path):
     assert [r["mode"] for r in rows] == MODES  # one repeat, in order
     ddp = rows[0]
     for r in rows:
-        assert "error" not in r, r
-        assert r["tokens_per_s"] > 0 and r["step_s"] > 0
-        assert len(r["peak_rss_mib_per_rank"]) == 2
-        assert r["peak_rss_mib"] == max(r["peak_rss_mib_per_rank"])
-        assert len(r["losses"]) == header["warmup"] + header["steps"]
+        check_training_row(r, header)
         assert r["first_loss"] == r["losses"][0] and r["last_loss"] == r["losses"][-1]
         for mine, reference in zip(r["losses"], ddp["losses"], strict=True):
             assert abs(mine - reference) <= TOLERANCE, (r["mode"], r["losses"], ddp["losses"])

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _bench import check_training_row
 
 ROOT = Path(__file__).resolve().parents[1]
 # By default the anchors and one mode of each kind (ZeRO, tensor parallelism);
@@ -68,11 +69,7 @@ def _check(header: dict, rows: list[dict], summary: dict, result: dict) -> dict:
     same loss; each mode's own checks. The summary's per-mode stats."""
     assert [r["mode"] for r in rows] == header["modes"]  # one repeat, in order
     for r in rows:
-        assert "error" not in r, r
-        assert r["tokens_per_s"] > 0 and r["step_s"] > 0
-        assert len(r["peak_rss_mib_per_rank"]) == 2
-        assert r["peak_rss_mib"] == max(r["peak_rss_mib_per_rank"])
-        assert len(r["losses"]) == header["warmup"] + header["steps"]
+        check_training_row(r, header)
         if r["mode"].startswith("shardax"):
             assert r["comm_per_step"], r["mode"]  # one step's collectives, by op
         if r["mode"] in ("shardax-tp", "shardax-tp-sp"):
