@@ -114,17 +114,21 @@ GPT_NAMES = TransformerNames(
 position embedding stays whole."""
 
 LLAMA_NAMES = TransformerNames(
-    column=r"model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)",
-    row=r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)",
+    column=r"model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(shared_expert\.)?(gate|up)_proj)",
+    row=r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)",
     vocab=r"model\.embed_tokens",
     head=r"lm_head",
     regions=r"model\.layers\.\d+\.(self_attn|mlp)",
     attention=r"model\.layers\.\d+\.self_attn",
+    replicated=r"model\.layers\.\d+\.mlp\.(gate|shared_expert_gate)",
 )
 """Hugging Face ``transformers``' ``LlamaForCausalLM`` (and the models that
 share its layout: Mistral, Qwen2): q/k/v, gate and up column-parallel, o and
 down row-parallel. Key/value heads split too, so ``num_key_value_heads``
-must divide by the ``tp`` size. With ``sequence_parallel=True`` the
+must divide by the ``tp`` size. Mixture-of-experts models of that layout
+(Mixtral, Qwen2-MoE) fit too: a shared expert splits as the MLP does, the
+router (``mlp.gate``, ``mlp.shared_expert_gate``) stays whole, and the
+experts are left to ``rules.experts(ep, tp=...)``. With ``sequence_parallel=True`` the
 sequence is gathered where attention and the MLP start (``regions``); pass
 the whole sequence's ``position_ids`` and ``cache_position`` to the model,
 since it would otherwise number only this rank's piece of the sequence.

@@ -8,6 +8,7 @@ parameter to 1e-5."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -27,16 +28,31 @@ def _on_ep(
     family: str, shape: dict[str, int], zero: int
 ) -> tuple[list[float], dict, dict[str, str]]:
     mesh = sx.Mesh(shape)
-    data = tuple(shape)  # the batch split over every axis: ep ranks are data-parallel too
+    # the batch split over every axis but tp: ep ranks are data-parallel too
+    data = tuple(a for a in shape if a != "tp")
     n, me = mesh.size(data), mesh.axis_index(data)
     model = _model(family)
-    rules = sx.rules.experts("ep") + sx.rules.zero(zero, data)
-    params = sx.shard(sx.params_of(model), mesh, rules)
+    if "tp" in shape:  # Megatron inside each expert and for the rest of the model
+        # every weight matrix split over tp or whole on purpose (the router): no warning
+        warnings.simplefilter("error", sx.UnshardedWeightWarning)
+        rules = sx.rules.experts("ep", tp="tp") + sx.rules.megatron("tp", names="auto")
+
+        def loss(p, x, y):
+            logits = sx.apply(model, p, x).logits  # this rank's piece of the vocabulary
+            return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
+
+    else:
+        rules = sx.rules.experts("ep")
+
+        def loss(p, x, y):
+            return _loss(sx.apply(model, p, x), y)
+
+    params = sx.shard(sx.params_of(model), mesh, rules + sx.rules.zero(zero, data))
     specs = {k: repr(v.layout.spec) for k, v in params.items() if "experts" in k}
     lr, (b1, b2), eps, wd = HYPER
     opt = sx.optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
     state = opt.init(params)
-    grad_fn = sx.value_and_grad(lambda p, x, y: _loss(sx.apply(model, p, x), y))
+    grad_fn = sx.value_and_grad(loss)
     losses = []
     for x, y in _batches():
         rows = slice(me * BATCH // n, (me + 1) * BATCH // n)  # each rank its half of the batch
@@ -51,6 +67,10 @@ def _on_ep(
     [
         pytest.param("mixtral", {"ep": 2}, 0, id="mixtral-ep2"),
         pytest.param("qwen2_moe", {"ep": 2}, 0, id="qwen2_moe-ep2"),
+        pytest.param("mixtral", {"ep": 2, "tp": 2}, 0, id="mixtral-ep2xtp2"),
+        pytest.param(
+            "qwen2_moe", {"ep": 2, "tp": 2}, 0, id="qwen2_moe-ep2xtp2", marks=pytest.mark.slow
+        ),
         pytest.param(
             "mixtral", {"dp": 2, "ep": 2}, 3, id="mixtral-dp2xep2-zero3", marks=pytest.mark.slow
         ),
@@ -63,7 +83,7 @@ def test_hf_moe_models_with_their_experts_split_over_ep_match_the_single_process
     family, shape, zero
 ):
     ref_losses, ref_params = _reference(family)
-    world = 4 if "dp" in shape else 2
+    world = 4 if len(shape) == 2 else 2
     for losses, params, specs in run_ranks(_on_ep, family, shape, zero, world_size=world):
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
         assert set(ref_params) <= set(params)  # and the buffers
@@ -71,5 +91,7 @@ def test_hf_moe_models_with_their_experts_split_over_ep_match_the_single_process
             v = params[k]
             assert v.shape == ref_params[k].shape, k  # the model's own names and shapes
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5, msg=k)
-        want = "P('ep')" if zero == 0 else "P(('ep', 'dp'))"  # ZeRO-3: the rest over dp
-        assert specs["model.layers.0.mlp.experts.gate_up_proj"] == want, specs
+        want = {  # ZeRO-3: the rest over dp; tp: Megatron's MLP split inside each expert
+            "P('ep')" if zero == 0 else "P(('ep', 'dp'))"
+        } if "tp" not in shape else {"P('ep', blocks(2, 'tp'), None)", "P('ep', None, 'tp')"}
+        assert {specs[f"model.layers.0.mlp.experts.{w}"] for w in ("gate_up_proj", "down_proj")} == want
