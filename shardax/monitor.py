@@ -32,6 +32,7 @@ from typing import Any, TextIO
 from . import _timing
 from .collectives._traffic import Traffic, traffic
 from .mesh import Mesh
+from .moe import _stats
 
 __all__ = ["Monitor", "comm_rows", "peak_memory", "transformer_flops_per_token"]
 
@@ -216,6 +217,13 @@ class Monitor:
             calls, bytes, time, ``algbw = bytes / time`` and ``busbw =
             wire bytes / time`` (nccl-tests' conventions), and ``comm_ms``.
         memory: peak resident memory (and GPU allocation) of each rank.
+        experts: each record's mixture-of-experts routing, over the steps
+            since the last and every rank of the batch: ``expert_load``
+            (each expert's share of the routed (token, choice) pairs,
+            summed over the layers), ``expert_load_max`` (the busiest
+            expert's share times the number of experts: 1.0 is perfectly
+            balanced) and ``dropped_fraction`` (pairs past capacity). One
+            small all-reduce per record, on every rank of the batch.
         samples_per_step, tokens_per_step: for samples/s and tokens/s.
         flops_per_token: for TFLOP/s (e.g. :func:`transformer_flops_per_token`).
         peak_tflops: one device's peak, for MFU (model FLOPs utilisation).
@@ -237,6 +245,7 @@ class Monitor:
         timers: bool = False,
         comm: bool = False,
         memory: bool = False,
+        experts: bool = False,
         samples_per_step: int | None = None,
         tokens_per_step: int | None = None,
         flops_per_token: float | None = None,
@@ -255,6 +264,8 @@ class Monitor:
         if peak_tflops is not None and flops_per_token is None:
             raise ValueError("MFU needs flops_per_token as well as peak_tflops")
         self.log_every, self.timers, self.comm, self.memory = log_every, timers, comm, memory
+        self.experts = experts
+        self._routing = _stats.listener() if experts else None
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.mesh, self.total_steps, self.progress = mesh, total_steps, progress
@@ -287,6 +298,7 @@ class Monitor:
             timers=config.timers,
             comm=config.comm,
             memory=config.memory,
+            experts=config.experts,
             peak_tflops=config.peak_tflops,
             progress=config.progress,
             **kwargs,
@@ -301,8 +313,13 @@ class Monitor:
         logged = self._logs(step)
         token = _timing.ACTIVE.set(self.timer) if self.timers else None
         comm = traffic() if self.comm and logged else contextlib.nullcontext()
+        routing = (
+            _stats.listening(self._routing)
+            if self._routing is not None
+            else contextlib.nullcontext()
+        )
         try:
-            with comm as counted:
+            with comm as counted, routing:
                 yield
         finally:
             if token is not None:
@@ -355,6 +372,9 @@ class Monitor:
             record["comm_ms"] = 1e3 * sum(r["seconds"] for r in rows)
             record["comm_bytes"] = sum(r["bytes"] for r in rows)
             record["comm_wire_bytes"] = sum(r["wire_bytes"] for r in rows)
+        if self._routing is not None:
+            record.update(self._routing.load_record())
+            self._routing = _stats.listener()
         if self.memory:
             mem = peak_memory()
             if self.mesh is not None and self.world > 1:

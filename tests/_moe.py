@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from _tiny import SEQ, VOCAB
+
+import shardax as sx
 
 STEPS, BATCH = 5, 4
 HYPER = (1e-2, (0.9, 0.95), 1e-4, 0.1)
@@ -43,3 +47,48 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
          torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
         for _ in range(STEPS)
     ]  # fmt: skip
+
+
+def on_mesh(
+    family: str, shape: dict[str, int], zero: int, capacity_factor: float | None = None
+) -> tuple[list[float], dict, dict[str, str], list[sx.moe.ExpertLoad]]:
+    """One rank of the model trained on a mesh of ``shape`` by
+    ``rules.experts("ep")`` (with ``tp``: inside each expert too, and
+    Megatron for the rest) and ZeRO ``zero`` over the data axes — every
+    axis but ``tp`` — 5 AdamW steps, each rank its rows of each batch:
+    ``(losses, gathered params, the experts' specs, each step's expert load)``."""
+    mesh = sx.Mesh(shape)
+    data = tuple(a for a in shape if a != "tp")  # ep ranks are data-parallel too
+    n, me = mesh.size(data), mesh.axis_index(data)
+    model = _model(family)
+    moe = {"capacity_factor": capacity_factor, "batch": data}
+    if "tp" in shape:
+        # every weight matrix split over tp or whole on purpose (the router): no warning
+        warnings.simplefilter("error", sx.UnshardedWeightWarning)
+        rules = sx.rules.experts("ep", tp="tp", **moe) + sx.rules.megatron("tp", names="auto")
+
+        def loss(p, x, y):
+            logits = sx.apply(model, p, x).logits  # this rank's piece of the vocabulary
+            return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
+
+    else:
+        rules = sx.rules.experts("ep", **moe)
+
+        def loss(p, x, y):
+            return _loss(sx.apply(model, p, x), y)
+
+    params = sx.shard(sx.params_of(model), mesh, rules + sx.rules.zero(zero, data))
+    specs = {k: repr(v.layout.spec) for k, v in params.items() if "experts" in k}
+    lr, (b1, b2), eps, wd = HYPER
+    opt = sx.optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
+    state = opt.init(params)
+    grad_fn = sx.value_and_grad(loss)
+    losses, loads = [], []
+    for x, y in _batches():
+        rows = slice(me * BATCH // n, (me + 1) * BATCH // n)  # each rank its rows of the batch
+        with sx.moe.expert_load() as seen:
+            value, grads = grad_fn(params, x[rows], y[rows])
+        params, state = sx.optim.step(opt, grads, state, params)
+        losses.append(value.item())
+        loads.append(seen.total())
+    return losses, {k: sx.gather(v) for k, v in params.items()}, specs, loads

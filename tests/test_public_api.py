@@ -180,11 +180,13 @@ SURFACE = {
         "transpose",
     ],
     "shardax.moe": [
+        "ExpertLoad",
         "Plan",
         "Routing",
         "capacity_of",
         "combine",
         "dispatch",
+        "expert_load",
         "expert_parallel",
         "load_balancing_loss",
         "route",

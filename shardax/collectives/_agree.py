@@ -67,7 +67,8 @@ __all__ = [
 WIDTH = 16  # int64 per member
 _MAGIC = 0x5358_0001  # "SX", version 1
 _OPS = ("psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all",
-        "ppermute", "broadcast", "reduce", "redistribute", "barrier")  # fmt: skip
+        "ppermute", "broadcast", "reduce", "redistribute", "barrier",
+        "ragged_all_to_all")  # fmt: skip
 _CALLS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
           "send_recv")  # fmt: skip
 _REDUCES = ("", "sum", "max", "min")

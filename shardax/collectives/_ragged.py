@@ -80,7 +80,10 @@ class RaggedAllToAll(Op):
             return result if dest is None else dest.copy_(result)
 
         return start(
-            g, "all_to_all", lambda b: b.all_to_all(out, send, out_splits, in_splits, g), finish
+            g,
+            "ragged_all_to_all",
+            lambda b: b.all_to_all(out, send, out_splits, in_splits, g),
+            finish,
         )
 
 

@@ -30,7 +30,9 @@ class Traffic:
     a ``ppermute``. ``wire`` is what each rank sends in the ring algorithms,
     nccl-tests' bus bytes: ``2(n-1)/n`` of the size for an all-reduce,
     ``(n-1)/n`` for an all-gather, reduce-scatter or all-to-all — so an
-    all-gather plus a reduce-scatter move the bytes of one all-reduce.
+    all-gather plus a reduce-scatter move the bytes of one all-reduce; for
+    a ``ragged_all_to_all``, exactly the rows it sends the other members
+    (those it keeps cost nothing).
 
     >>> import torch, shardax as sx
     >>> mesh = sx.Mesh({"dp": 1})
@@ -155,7 +157,12 @@ class _Counting:
         return self._backend.reduce_scatter(out, x, group)
 
     def all_to_all(self, out: torch.Tensor, x: torch.Tensor, *args: Any) -> Any:
-        self._add(_nbytes(x))
+        if len(args) == 3:  # uneven (out_splits, in_splits, group): what goes to the others
+            in_splits, me = args[1], self._group.index
+            others = (sum(in_splits) - in_splits[me]) * x.element_size()
+            self._record.add(self._op, tuple(self._group.axes), _nbytes(x), others)
+        else:
+            self._add(_nbytes(x))
         return self._backend.all_to_all(out, x, *args)
 
     def broadcast(self, x: torch.Tensor, root: int, group: Group) -> Any:

@@ -210,7 +210,8 @@ class CheckpointConfig:
 class MonitorConfig:
     """What is measured and where it goes: every ``log_every`` steps, to
     ``writers`` (in ``dir``); ``timers`` (forward/backward/optimizer/
-    communication breakdown), ``comm`` (per-collective log), ``memory``;
+    communication breakdown), ``comm`` (per-collective log), ``memory``,
+    ``experts`` (per-expert load and dropped fraction of MoE layers);
     ``peak_tflops`` per rank for MFU. All off but stdout by default."""
 
     log_every: int = attrs.field(default=25, converter=_as_int("log_every"), validator=_positive)
@@ -221,6 +222,7 @@ class MonitorConfig:
     timers: bool = attrs.field(default=False, converter=_as_bool("timers"))
     comm: bool = attrs.field(default=False, converter=_as_bool("comm"))
     memory: bool = attrs.field(default=False, converter=_as_bool("memory"))
+    experts: bool = attrs.field(default=False, converter=_as_bool("experts"))
     peak_tflops: float | None = attrs.field(
         default=None, converter=_optional(_as_float, "peak_tflops"), validator=_positive
     )

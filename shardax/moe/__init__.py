@@ -23,13 +23,17 @@ from ._router import load_balancing_loss as load_balancing_loss
 from ._router import route as route
 from ._router import update_bias as update_bias
 from ._router import z_loss as z_loss
+from ._stats import ExpertLoad as ExpertLoad
+from ._stats import expert_load as expert_load
 
 __all__ = [
+    "ExpertLoad",
     "Plan",
     "Routing",
     "capacity_of",
     "combine",
     "dispatch",
+    "expert_load",
     "expert_parallel",
     "load_balancing_loss",
     "route",

@@ -24,7 +24,7 @@ how many (:attr:`Plan.dropped`). Without one (dropless), every pair runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .. import collectives as C
 from ..errors import ShardingError
 from ..mesh._mesh import Mesh
+from . import _stats
 from ._router import Routing
 
 __all__ = ["Plan", "capacity_of", "combine", "dispatch", "swiglu_experts"]
@@ -50,6 +51,7 @@ class Plan(NamedTuple):
     dropped: int  # pairs past capacity, on this rank
     axis: str | None
     mesh: Mesh | None
+    load: torch.Tensor  # [experts] pairs this rank routed to each, before capacity
 
 
 def capacity_of(tokens: int, experts: int, k: int, factor: float) -> int:
@@ -67,35 +69,49 @@ def dispatch(
     routing: Routing,
     *,
     capacity: int | None = None,
+    capacity_factor: float | None = None,
     axis: str | None = None,
+    batch: str | Sequence[str] | None = None,
     mesh: Mesh | None = None,
     num_experts: int | None = None,
 ) -> tuple[torch.Tensor, Plan]:
     """``x`` (``[tokens, d]``) laid out for the experts: a buffer
     ``[local experts, slots, d]`` (zeros in unused slots) and its plan.
 
-    ``capacity``: at most that many pairs per expert from this rank's
-    tokens (the rest dropped); None: dropless, the slots the fullest
-    expert needs. ``axis``: the mesh axis the experts are split over
-    (``mesh``'s); None: every expert here.
+    ``axis``: the mesh axis the experts are split over (``mesh``'s); None:
+    every expert here. ``capacity``: at most that many pairs per expert, or
+    ``capacity_factor``: ``capacity_of(tokens, E, k, factor)`` slots for
+    the step's tokens; neither: dropless (the slots the fullest expert
+    needs). The capacity is the whole batch's: ``batch`` names the mesh
+    axes its tokens are split over (default: ``axis``), their ranks'
+    pairs queue for each expert in priority order, then rank order (the
+    order of ``mesh.axis_index(batch)``), then token order — so the pairs
+    dropped are exactly those one process would drop from the whole batch,
+    on any mesh. Without ``batch`` or ``axis``, this rank's tokens alone.
 
     >>> import torch
     >>> from shardax.moe import route
     >>> r = route(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), 1)
     >>> buffer, plan = dispatch(torch.arange(3.0)[:, None], r)
-    >>> buffer[..., 0].tolist(), plan.dropped
-    ([[0.0, 2.0], [1.0, 0.0]], 0)
+    >>> buffer[..., 0].tolist(), plan.dropped, plan.load.tolist()
+    ([[0.0, 2.0], [1.0, 0.0]], 0, [2, 1])
+    >>> dispatch(torch.arange(3.0)[:, None], r, capacity=1)[1].dropped
+    1
     """
     if x.dim() != 2 or routing.experts.shape[0] != x.shape[0]:
         raise ShardingError(
             f"dispatch takes x as [tokens, d] with one routing row per token; got x "
             f"{tuple(x.shape)} and routing for {routing.experts.shape[0]} tokens"
         )
+    if capacity is not None and capacity_factor is not None:
+        raise ShardingError("dispatch: give capacity (slots) or capacity_factor, not both")
+    if (axis is not None or batch is not None) and mesh is None:
+        raise ShardingError(
+            "dispatch(axis=..., batch=...) needs the mesh: dispatch(..., mesh=mesh)"
+        )
     n_experts = routing.num_experts if num_experts is None else num_experts
     k = routing.experts.shape[1]
     ranks = mesh.size(axis) if axis is not None and mesh is not None else 1
-    if axis is not None and mesh is None:
-        raise ShardingError("dispatch(axis=...) needs the mesh: dispatch(..., mesh=mesh)")
     if n_experts % ranks:
         raise ShardingError(
             f"dispatch: {n_experts} experts do not split evenly over {axis!r} of size {ranks}"
@@ -109,14 +125,15 @@ def dispatch(
     expert, order = torch.sort(expert, stable=True)
     token, weight = token[order], weight[order]
     counts = torch.bincount(expert, minlength=n_experts)
-    dropped = 0
-    if capacity is not None:
-        starts = torch.cumsum(counts, 0) - counts
-        within = torch.arange(expert.numel(), device=x.device) - starts[expert]
-        keep = within < capacity
+    load, dropped = counts, 0
+    if capacity is not None or capacity_factor is not None:
+        keep, capacity = _within_capacity(
+            expert, order // tokens, k, n_experts, capacity, capacity_factor,
+            _batch_axes(batch, axis), mesh,
+        )  # fmt: skip
         dropped = int((~keep).sum())
         expert, token, weight = expert[keep], token[keep], weight[keep]
-        counts = counts.clamp(max=capacity)
+        counts = torch.bincount(expert, minlength=n_experts)
     rows = x[token]
     send: tuple[int, ...] = ()
     recv: tuple[int, ...] = ()
@@ -135,8 +152,6 @@ def dispatch(
     else:
         here, local_counts = expert, counts
     slots = int(local_counts.max()) if local_counts.numel() else 0
-    if capacity is not None and ranks == 1:
-        slots = capacity
     # each row's place: its expert's block, then its rank among that expert's rows
     here_sorted, by_expert = torch.sort(here, stable=True)
     starts = torch.cumsum(local_counts, 0) - local_counts
@@ -144,8 +159,47 @@ def dispatch(
     within[by_expert] = torch.arange(here.numel(), device=x.device) - starts[here_sorted]
     slot = here * slots + within
     buffer = rows.new_zeros(local * slots, x.shape[1]).index_add(0, slot, rows)
-    plan = Plan(tokens, token, weight, slot, send, recv, dropped, axis, mesh)
+    plan = Plan(tokens, token, weight, slot, send, recv, dropped, axis, mesh, load)
+    _stats.record(plan, _batch_axes(batch, axis) if mesh is not None else ())
     return buffer.view(local, slots, x.shape[1]), plan
+
+
+def _batch_axes(batch: str | Sequence[str] | None, axis: str | None) -> tuple[str, ...]:
+    if batch is None:
+        return () if axis is None else (axis,)
+    return (batch,) if isinstance(batch, str) else tuple(batch)
+
+
+def _within_capacity(
+    expert: torch.Tensor,
+    level: torch.Tensor,
+    k: int,
+    n_experts: int,
+    capacity: int | None,
+    factor: float | None,
+    batch: tuple[str, ...],
+    mesh: Mesh | None,
+) -> tuple[torch.Tensor, int]:
+    """Which of the pairs (sorted by expert; ``level``: their choice 0…k-1)
+    get a slot, the batch's ranks queueing as one process would."""
+    here = torch.bincount(expert * k + level, minlength=n_experts * k).view(n_experts, k)
+    if batch and mesh is not None and mesh.size(batch) > 1:
+        everyone = C.all_gather(here[None], batch, mesh=mesh)  # [ranks, E, k]
+        before_me = everyone[: mesh.axis_index(batch)].sum(0)
+    else:
+        everyone, before_me = here[None], torch.zeros_like(here)
+    total = everyone.sum(0)  # [E, k]
+    if capacity is None:
+        assert factor is not None
+        capacity = capacity_of(int(total.sum()) // k, n_experts, k, factor)
+    # ahead of (expert e, choice j, this rank): every rank's pairs of e with an
+    # earlier choice, then the earlier ranks' pairs of e with choice j
+    ahead = torch.cumsum(total, 1) - total + before_me
+    mine_before = torch.cumsum(here, 1) - here  # this rank's pairs of e with earlier choices
+    starts = torch.cumsum(here.sum(1), 0) - here.sum(1)  # each expert's first pair here
+    position = torch.arange(expert.numel(), device=expert.device) - starts[expert]
+    queue = ahead[expert, level] + position - mine_before[expert, level]
+    return queue < capacity, capacity
 
 
 def combine(y: torch.Tensor, plan: Plan) -> torch.Tensor:

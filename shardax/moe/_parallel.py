@@ -3,6 +3,7 @@ a :class:`~shardax.rules.ModuleRule` (``rules.experts`` installs it)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,12 @@ from ._router import Routing
 __all__ = ["expert_parallel"]
 
 
-def expert_parallel(axis: str = "ep") -> Any:
+def expert_parallel(
+    axis: str | None = "ep",
+    *,
+    capacity_factor: float | None = None,
+    batch: str | Sequence[str] | None = None,
+) -> Any:
     """A ``forward`` for :class:`~shardax.rules.ModuleRule` that runs a
     Hugging Face experts module (Mixtral's, Qwen2-MoE's: ``gate_up_proj``
     ``[E, 2f, d]``, ``down_proj`` ``[E, d, f]``, ``act_fn``, called with
@@ -39,7 +45,7 @@ def expert_parallel(axis: str = "ep") -> Any:
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         gate_up, down = module.gate_up_proj, module.down_proj
-        n, total = mesh.size(axis), int(module.num_experts)
+        n, total = (1 if axis is None else mesh.size(axis)), int(module.num_experts)
         if gate_up.shape[0] * n != total or down.shape[0] * n != total:
             raise ShardingError(
                 f"expert_parallel over {axis!r}: the module holds {gate_up.shape[0]} of its "
@@ -49,9 +55,14 @@ def expert_parallel(axis: str = "ep") -> Any:
             )
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         routing = Routing(top_k_index.reshape(x.shape[0], -1), top_k_weights, torch.empty(0))
-        buffer, plan = dispatch(x, routing, axis=axis, mesh=mesh, num_experts=total)
+        buffer, plan = dispatch(
+            x, routing, capacity_factor=capacity_factor, axis=axis, batch=batch,
+            mesh=mesh if axis is not None or batch is not None else None, num_experts=total,
+        )  # fmt: skip
         y = combine(swiglu_experts(buffer, gate_up, down, module.act_fn), plan)
         return y.to(hidden_states.dtype).view_as(hidden_states)
 
-    forward.__name__ = f"expert_parallel({axis!r})"
+    extra = "" if capacity_factor is None else f", capacity_factor={capacity_factor!r}"
+    extra += "" if batch is None else f", batch={batch!r}"
+    forward.__name__ = f"expert_parallel({axis!r}{extra})"
     return forward
