@@ -23,6 +23,7 @@ from . import monitor as monitor
 from . import optim as optim
 from . import pipeline as pipeline
 from . import rules as rules
+from . import testing as testing
 from .errors import CheckpointError as CheckpointError
 from .errors import CollectiveError as CollectiveError
 from .errors import CollectiveMismatchError as CollectiveMismatchError
@@ -123,6 +124,7 @@ __all__ = [
     "plan_transfer",
     "reshard",
     "rules",
+    "testing",
     "shard",
     "shutdown",
     "transfer",

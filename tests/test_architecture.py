@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("moe",),
     ("rules", "optim", "data"),
     ("pipeline",),
-    ("ckpt", "monitor", "report", "config"),
+    ("ckpt", "monitor", "report", "config", "testing"),
     ("launch",),
     ("cli",),
     ("__init__", "__main__"),

@@ -63,6 +63,7 @@ SURFACE = {
         "plan_transfer",
         "reshard",
         "rules",
+        "testing",
         "shard",
         "shutdown",
         "transfer",
@@ -72,6 +73,7 @@ SURFACE = {
         "vocab_parallel_embedding",
     ],
     "shardax.monitor": ["Monitor", "comm_rows", "peak_memory", "transformer_flops_per_token"],
+    "shardax.testing": ["Difference", "Parity", "ParityError", "check_parity"],
     "shardax.config": [
         "BatchConfig",
         "CheckpointConfig",
