@@ -31,6 +31,7 @@ False
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -40,6 +41,8 @@ from torch import nn
 __all__ = [
     "GPT",
     "MLP",
+    "MoE",
+    "Experts",
     "PRESETS",
     "Block",
     "CausalSelfAttention",
@@ -66,6 +69,15 @@ class GPTConfig:
         n_heads: Attention heads; must divide ``d_model``.
         mlp_ratio: MLP hidden width over ``d_model``.
         tie_embeddings: Whether the LM head reuses the token embedding.
+        experts: 0 — a dense MLP in every block; else a mixture of that many
+            SwiGLU experts (:class:`MoE`), each ``mlp_ratio · d_model / 2``
+            wide, so that top-2 costs about 1.5 dense MLPs per token.
+        top_k: Experts per token.
+        capacity_factor: Each expert takes ``capacity_factor · tokens · k /
+            experts`` of a batch's (token, choice) pairs, the rest dropped
+            (the residual carries them); None: dropless.
+        router_aux_loss: Weight of the Switch/GShard load-balancing loss,
+            added to the gradient (not to the reported loss).
 
     >>> GPTConfig(vocab_size=256, seq_len=64, d_model=60, n_layers=2, n_heads=8)
     Traceback (most recent call last):
@@ -80,8 +92,22 @@ class GPTConfig:
     n_heads: int = attrs.field(validator=_positive)
     mlp_ratio: int = attrs.field(default=4, validator=_positive)
     tie_embeddings: bool = True
+    experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    top_k: int = attrs.field(default=2, validator=_positive)
+    capacity_factor: float | None = None
+    router_aux_loss: float = 0.01
 
     def __attrs_post_init__(self) -> None:
+        if self.experts and self.top_k > self.experts:
+            raise ValueError(
+                f"GPTConfig: top_k={self.top_k} is more than experts={self.experts}; "
+                "choose top_k <= experts"
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"GPTConfig: capacity_factor must be > 0 (or None: dropless); "
+                f"got {self.capacity_factor!r}"
+            )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig: n_heads={self.n_heads} does not divide d_model={self.d_model}; "
@@ -126,6 +152,8 @@ def param_count(cfg: GPTConfig) -> int:
     layer_norms = 2 * 2 * d
     attention = (d * 3 * d + 3 * d) + (d * d + d)  # qkv, proj
     mlp = (d * hidden + hidden) + (hidden * d + d)  # fc, proj
+    if cfg.experts:  # router, then each expert's gate, up and down
+        mlp = d * cfg.experts + cfg.experts * 3 * d * (hidden // 2)
     block = layer_norms + attention + mlp
     embeddings = (cfg.vocab_size + cfg.seq_len) * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
@@ -173,6 +201,85 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class Experts(nn.Module):
+    """``experts`` SwiGLU MLPs, their weights stacked as Hugging Face's
+    Mixtral stores them — ``gate_up_proj`` ``[E, 2f, d]`` (gate rows first)
+    and ``down_proj`` ``[E, d, f]`` — and run as two batched matmuls over
+    the tokens laid out by expert (:func:`shardax.moe.dispatch`): no loop
+    over experts. Called with the hidden states and each token's chosen
+    experts and weights, as Mixtral's experts module is, so
+    ``rules.experts("ep")`` splits it over ranks unchanged. Each expert
+    starts as ``nn.Linear`` would (uniform within ``1/sqrt(fan_in)``)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model // 2
+        self.num_experts, self.capacity_factor = cfg.experts, cfg.capacity_factor
+        self.gate_up_proj = nn.Parameter(torch.empty(cfg.experts, 2 * f, d))
+        self.down_proj = nn.Parameter(torch.empty(cfg.experts, d, f))
+        self.act_fn = F.silu
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init, expert by expert."""
+        for w in (self.gate_up_proj, self.down_proj):
+            bound = w.shape[-1] ** -0.5
+            nn.init.uniform_(w, -bound, bound)
+
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden`` ``[..., d]``, the choices ``[tokens, k]`` → ``[..., d]``."""
+        from shardax import moe  # pure tensor functions: no mesh, no collective here
+
+        x = hidden.reshape(-1, hidden.shape[-1])
+        routing = moe.Routing(top_k_index, top_k_weights, torch.empty(0))
+        buffer, plan = moe.dispatch(
+            x, routing, capacity_factor=self.capacity_factor, num_experts=self.num_experts
+        )
+        y = moe.swiglu_experts(buffer, self.gate_up_proj, self.down_proj, self.act_fn)
+        return moe.combine(y, plan).view_as(hidden)
+
+
+class _AuxLoss(torch.autograd.Function):
+    """``y`` unchanged forward; backward, the auxiliary loss's gradient too."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_ones(ctx.aux_shape)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP: a linear ``router``
+    (softmax over experts, the top ``k`` kept and renormalised, as Mixtral)
+    and :class:`Experts`. In training, the load-balancing loss
+    (:func:`shardax.moe.load_balancing_loss` of this call's tokens, times
+    ``router_aux_loss``) joins the gradient without changing the loss the
+    model reports — as GShard, per group of tokens: under data parallelism,
+    per rank."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k, self.aux_weight = cfg.top_k, cfg.router_aux_loss
+        self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[B, T, d_model]`` → ``[B, T, d_model]``."""
+        from shardax import moe
+
+        routing = moe.route(self.router(x).flatten(0, -2), self.top_k)
+        y = self.experts(x, routing.experts, routing.weights)
+        if self.aux_weight and torch.is_grad_enabled():
+            y = _AuxLoss.apply(y, self.aux_weight * moe.load_balancing_loss(routing))
+        return y
+
+
 class Block(nn.Module):
     """A pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then
     ``x + mlp(ln_2(x))``."""
@@ -182,7 +289,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[B, T, d_model]`` → ``[B, T, d_model]``."""
@@ -199,7 +306,8 @@ class GPT(nn.Module):
     Parameter names are GPT-2's: ``wte``, ``wpe``, ``blocks.{i}.ln_1``,
     ``blocks.{i}.attn.qkv``, ``blocks.{i}.attn.proj``, ``blocks.{i}.ln_2``,
     ``blocks.{i}.mlp.fc``, ``blocks.{i}.mlp.proj``, ``ln_f`` and, untied,
-    ``lm_head``.
+    ``lm_head``; with experts, ``blocks.{i}.mlp.router`` and
+    ``blocks.{i}.mlp.experts.gate_up_proj`` / ``.down_proj`` (Mixtral's).
     """
 
     def __init__(self, cfg: GPTConfig) -> None:

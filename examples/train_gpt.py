@@ -216,6 +216,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="pipeline micro-batches per step (%(default)s: twice --pp); they split each "
         "data-parallel rank's batch",
     )
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="a mixture of this many experts in place of each block's MLP (0: dense)",
+    )
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        help="each expert's slots per batch over an even share (%(default)s: dropless)",
+    )
+    parser.add_argument(
+        "--aux-loss",
+        type=float,
+        default=0.01,
+        help="weight of the load-balancing loss in the gradient (with --experts)",
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks: an ep axis added to the mesh, each rank holding "
+        "experts/ep experts of every layer (rules.experts)",
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument(
@@ -321,7 +346,11 @@ def run_config(
         )
         (data.setdefault(section, {}) if section else data)[key] = value
     mesh, parallel = dict(data.get("mesh") or {"dp": -1}), data.setdefault("parallel", {})
-    for axis in ("tp", "pp"):  # --tp/--pp add the axis; an axis named so: its parallelism
+    for axis in (
+        "tp",
+        "pp",
+        "ep",
+    ):  # --tp/--pp/--ep add the axis; an axis named so: its parallelism
         size = getattr(args, axis)
         if size > 1:
             if mesh.get(axis, size) != size:
@@ -333,6 +362,11 @@ def run_config(
             parallel[axis] = axis
     if args.sp:
         parallel["sequence_parallel"] = True
+    if args.experts and not parallel.get("ep"):
+        # experts always by rules.experts, over an ep axis of size 1 if need be: the
+        # capacity is the whole batch's on every mesh (one process's drops)
+        mesh.setdefault("ep", 1)
+        parallel["ep"] = "ep"
     data["mesh"] = mesh
     return sx.config.RunConfig.from_dict(data, str(args.config or "the command line"))
 
@@ -657,13 +691,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(*lines, sep="\n", flush=True)
 
-    cfg = PRESETS[args.preset]
+    cfg = PRESETS[args.preset].replace(
+        experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        router_aux_loss=args.aux_loss,
+    )
+    if run.parallel.ep is not None and not cfg.experts:
+        raise sx.config.ConfigError(
+            f"parallel.ep ({run.parallel.ep!r}) splits experts over ranks, but the model has "
+            "none: give --experts N (e.g. --experts 8 --top-k 2)"
+        )
+    data_axes = run.data_axes  # with experts, the ep ranks take their own rows too
     batch = run.batch.resolve(run.dp_size(info.world_size))
     steps, accumulation = run.steps, batch.accumulation
     train = sx.data.TextDataset.tinyshakespeare(cfg.seq_len, split="train")
     val = sx.data.TextDataset.tinyshakespeare(cfg.seq_len, split="val")
     micro_global = batch.global_size // accumulation  # sequences per micro-step, all ranks
-    sampler = sx.data.Sampler(len(train), micro_global, mesh, P("dp"), seed=run.seed)
+    sampler = sx.data.Sampler(len(train), micro_global, mesh, P(data_axes), seed=run.seed)
     precision = run.precision.params
     say(
         f"{mesh} on {info.world_size} rank(s); GPT {args.preset}: "
@@ -671,7 +716,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{precision}, global batch {batch.global_size} x {cfg.seq_len} tokens"
         + (f" in {accumulation} micro-steps" if accumulation > 1 else "")
         + (f"; tensor parallel over {run.parallel.tp}" if run.parallel.tp else "")
-        + (" with sequence parallelism" if run.parallel.sequence_parallel else ""),
+        + (" with sequence parallelism" if run.parallel.sequence_parallel else "")
+        + (f"; {cfg.experts} experts, top-{cfg.top_k}" if cfg.experts else "")
+        + (f", capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "")
+        + (f", split over {run.parallel.ep}" if run.parallel.ep else ""),
         f"unigram baseline (a model that ignores context): {train.unigram_entropy():.3f} nats/byte",
     )
 
@@ -754,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens_per_step = batch.global_size * cfg.seq_len
     bar = progress_bar(steps, start) if shows_progress(args.progress, rank) else None
     monitor = sx.monitor.Monitor.from_config(
-        run.monitor,
+        attrs.evolve(run.monitor, experts=run.monitor.experts or bool(cfg.experts)),
         mesh=mesh,
         samples_per_step=batch.global_size,
         tokens_per_step=tokens_per_step,
@@ -815,18 +863,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if metrics is not None:
         metrics.close()
 
-    val_sampler = sx.data.Sampler(len(val), micro_global, mesh, P("dp"), shuffle=False)
+    val_sampler = sx.data.Sampler(len(val), micro_global, mesh, P(data_axes), shuffle=False)
     val_batches = list(sx.data.batches(val, val_sampler, num_steps=args.eval_batches))
     if not val_batches:
         val_loss = float("nan")
     elif pipe is not None:
-        val_loss = evaluate(val_fn, params, val_batches, mesh, ["dp"])
+        val_loss = evaluate(val_fn, params, val_batches, mesh, list(data_axes))
     else:
 
         def val_loss_of(params: dict, b: dict) -> torch.Tensor:
             return cross_entropy(logits_of(params, b["x"]), sequence_piece(b["y"], sp, mesh))
 
-        axes = ["dp"] if sp is None else ["dp", sp]  # sp: each rank a piece of the sequence
+        axes = [*data_axes] + ([] if sp is None else [sp])  # sp: each a piece of the sequence
         val_loss = evaluate(val_loss_of, params, val_batches, mesh, axes)
     say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
     if record and val_batches:

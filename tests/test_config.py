@@ -188,6 +188,21 @@ def test_a_config_turns_into_calls():
     assert "batch: global 16 = micro 8 x accumulation 1 x data-parallel 2" in RunConfig().plan(2)
 
 
+def test_experts_in_a_config_split_the_batch_over_dp_and_ep():
+    config = RunConfig.from_dict(
+        {"mesh": {"dp": 2, "ep": 2, "tp": 2}, "parallel": {"zero": 3, "ep": "ep", "tp": "tp"}}
+    )
+    assert config.data_axes == ("dp", "ep") and config.dp_size(8) == 4
+    mesh = config.abstract_mesh(8)
+    rules = config.make_rules()
+    gate_up = rules.spec_for("blocks.0.mlp.experts.gate_up_proj", (4, 16, 8), mesh)
+    assert gate_up == sx.P(("ep", "dp"), sx.blocks(2, "tp"), None)  # ZeRO-3 adds dp only
+    assert rules.spec_for("blocks.0.attn.qkv.weight", (24, 8), mesh) == sx.P(("tp", "dp", "ep"))
+    plan = config.plan(8)
+    assert "rules.experts('ep', tp='tp', batch=('dp', 'ep')) + rules.zero(3, ('dp', 'ep'))" in plan
+    assert "x data-parallel 4" in plan
+
+
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])
 def test_shared_deepspeed_configs_convert(path):
     """Each real config converts, or is refused naming every key whose loss
@@ -392,6 +407,12 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
             'mesh: {dp: -1, pp: 2}\nparallel: {pp: "pp"}\nbatch: {global: 16, accumulation: 2}\n',
             "a pipeline accumulates over its own micro-batches; set parallel.pp_micro_batches",
         ),
+        (
+            'mesh: {dp: -1, pp: 2, ep: 2}\nparallel: {pp: "pp", ep: "ep"}\n',
+            "parallel.pp with parallel.ep: experts inside pipeline stages are not supported yet",
+        ),
+        ('mesh: {dp: -1}\nparallel: {ep: "dp"}\n', "parallel.ep and parallel.zero_axis both name"),
+        ('mesh: {dp: -1}\nparallel: {ep: "ep"}\n', "parallel.ep names mesh axis 'ep'"),
     ],
 )
 def test_every_bad_value_is_a_typed_error_naming_file_line_and_key(text, message):

@@ -157,10 +157,10 @@ def test_train_gpt_with_tensor_and_sequence_parallelism(tmp_path, dp_run):
     assert index.leaves["params.blocks.0.attn.qkv.weight"].spec.axes == ("tp", "dp")
     idle = launch(
         "--nproc-per-node", "2", "examples/train_gpt.py", "--preset", "tiny", "--steps", "2",
-        "--mesh", "dp=1,ep=2",
+        "--mesh", "dp=1,xp=2",
     )  # fmt: skip
     assert idle.returncode == 2, idle.stdout + idle.stderr
-    assert "mesh axis 'ep' (size 2)" in idle.stderr and "is used by no preset" in idle.stderr
+    assert "mesh axis 'xp' (size 2)" in idle.stderr and "is used by no preset" in idle.stderr
 
 
 def test_train_gpt_with_a_pipeline(tmp_path, dp_run):
@@ -182,6 +182,45 @@ def test_train_gpt_with_a_pipeline(tmp_path, dp_run):
     assert f"resumed from {step3} at step 3" in stdout
     for got, want in zip(resumed, dp[3:], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+
+
+EXPERTS = ["--experts", "4", "--capacity-factor", "1.0"]
+
+
+def test_train_gpt_with_experts_split_over_ep(tmp_path, train_gpt):
+    """``--experts 4 --ep 2 --capacity-factor 1.0``: each block's MLP a
+    mixture of 4 experts, each rank holding 2 of every layer's; some pairs
+    dropped, each step's share printed; the same losses as one process
+    (the capacity is the whole batch's on any mesh; ``--aux-loss 0``: the
+    balancing loss is each rank's own, GShard's groups); the checkpoint
+    holds the experts' global shapes under their own names."""
+    flags = [*EXPERTS, "--aux-loss", "0"]
+    stdout, ep = _train(tmp_path / "ep", tmp_path / "ep.jsonl", "--ep", "2", *flags)
+    assert "Mesh({'dp': 1, 'ep': 2})" in stdout
+    assert "4 experts, top-2, capacity factor 1, split over ep" in stdout
+    dropped = [float(x) for x in re.findall(r"dropped_fraction ([0-9.e-]+)", stdout)]
+    assert dropped and 0 < dropped[-1] < 0.5, stdout
+    index = sx.ckpt.read_index(tmp_path / "ep" / "step-00000006")
+    experts = index.leaves["params.blocks.0.mlp.experts.gate_up_proj"]
+    assert experts.shape == (4, 256, 64) and "ep" in experts.spec.axes
+    one = tmp_path / "one.jsonl"
+    _run_in_process(
+        train_gpt, "--steps", "6", "--batch-size", "16", "--out", str(tmp_path / "one"),
+        "--metrics", str(one), *flags,
+    )  # fmt: skip
+    reference = [json.loads(line) for line in one.read_text().splitlines()]
+    for a, b in zip(ep, reference, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+
+
+@pytest.mark.slow  # the mechanisms: tests/moe/ (default run)
+def test_train_gpt_with_experts_gives_the_data_parallel_losses_with_the_balancing_loss(tmp_path):
+    """With the balancing loss on (each rank's own), ep=2 and dp=2 give each
+    rank the same rows: the same losses, experts split or not."""
+    _, ep = _train(tmp_path / "ep", tmp_path / "ep.jsonl", "--ep", "2", *EXPERTS)
+    _, dp = _train(tmp_path / "dp", tmp_path / "dp.jsonl", *EXPERTS)
+    for a, b in zip(ep, dp, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
 
 
 @pytest.mark.slow  # the mechanisms: tests/pipeline/test_executor.py (default run)
@@ -331,7 +370,10 @@ def test_config_file_options_merge_under_the_flags(train_gpt, tmp_path, capsys):
 
     err = error('{"steps": 4, "batch_sise": 8}')
     assert f"error: --config {config}: unknown key 'batch_sise' (did you mean 'batch_size'?)" in err
-    assert "options: batch_size, clip," in err and "sections: parallel, optimizer" in err
+    assert (
+        "options: aux_loss, batch_size, capacity_factor, clip," in err
+        and "sections: parallel, optimizer" in err
+    )
     assert f"--config {config}: argument --zero: invalid choice: 5" in error('{"zero": 5}')
     assert "steps takes one value" in error('{"steps": true}')
     assert "the key 'steps' is written twice" in error('{"steps": 4, "steps": 5}')

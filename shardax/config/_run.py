@@ -87,7 +87,8 @@ class RunConfig:
             )
         p, axes = self.parallel, sorted(self.mesh)
         named = [("parallel.zero_axis", p.zero_axis if p.zero else None),
-                 ("parallel.tp", p.tp), ("parallel.sp", p.sp), ("parallel.pp", p.pp)]  # fmt: skip
+                 ("parallel.tp", p.tp), ("parallel.sp", p.sp), ("parallel.pp", p.pp),
+                 ("parallel.ep", p.ep)]  # fmt: skip
         for key, axis in named:
             if axis is not None and axis not in self.mesh:
                 close = difflib.get_close_matches(axis, axes, n=1, cutoff=0.5)
@@ -96,30 +97,23 @@ class RunConfig:
                     f"{key} names mesh axis {axis!r}{hint}, but the mesh {self.mesh} has axes "
                     f"{axes}; add it to mesh or name one of those"
                 )
-        used = {p.zero_axis, p.tp, p.sp, p.pp}  # the data axis splits the batch even at ZeRO-0
+        used = {
+            p.zero_axis,
+            p.tp,
+            p.sp,
+            p.pp,
+            p.ep,
+        }  # the data axis splits the batch even at ZeRO-0
         idle = [a for a, n in self.mesh.items() if n != 1 and a not in used]
         if idle:
             raise ConfigError(
                 f"mesh axis {idle[0]!r} (size {self.mesh[idle[0]]}) of {self.mesh} is used by no "
                 f"preset: its ranks would only repeat each other's work. Name it as "
-                f"parallel.tp (tensor parallelism), parallel.sp (Ulysses) or parallel.pp "
-                f"(pipeline), make it the data axis (parallel.zero_axis), or give it size 1"
+                f"parallel.tp (tensor parallelism), parallel.sp (Ulysses), parallel.pp "
+                f"(pipeline) or parallel.ep (experts), make it the data axis (parallel.zero_axis), or give it size 1"
             )
         if p.pp is not None:
-            self._check_pipeline()
-
-    def _check_pipeline(self) -> None:
-        """What a pipeline (``parallel.pp``) cannot be combined with yet."""
-        if self.precision.params == "fp16":
-            raise ConfigError(
-                "parallel.pp with fp16: dynamic loss scaling would skip steps stage by stage "
-                "(an overflow seen by one stage only); use bf16 or fp32 with a pipeline"
-            )
-        if self.batch.accumulation not in (None, 1):
-            raise ConfigError(
-                f"parallel.pp with batch.accumulation {self.batch.accumulation}: a pipeline "
-                "accumulates over its own micro-batches; set parallel.pp_micro_batches instead"
-            )
+            _check_pipeline(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> RunConfig:
@@ -195,19 +189,33 @@ class RunConfig:
             raise ConfigError(f"mesh {self.mesh!r} on {world_size} rank(s): {err}") from None
         return AbstractMesh(dict(zip(names, sizes, strict=True)))
 
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes each batch is split over: the data axis
+        (``parallel.zero_axis``) and, with experts, ``parallel.ep`` — whose
+        ranks take their own rows too (DeepSpeed's expert-data groups).
+
+        >>> RunConfig.from_dict({"mesh": {"dp": 2, "ep": 2}, "parallel": {"ep": "ep"}}).data_axes
+        ('dp', 'ep')
+        """
+        p = self.parallel
+        if p.ep is None:
+            return (p.zero_axis,)
+        return tuple(a for a in (p.zero_axis, p.ep) if a in self.mesh)
+
     def dp_size(self, world_size: int) -> int:
-        """The data-parallel size on ``world_size`` ranks: the mesh's
-        ``parallel.zero_axis`` size (1 when the mesh lacks that axis)."""
+        """The data-parallel size on ``world_size`` ranks: the size of the
+        mesh's :attr:`data_axes` (1 for an axis the mesh lacks)."""
         mesh = self.abstract_mesh(world_size)
-        axis = self.parallel.zero_axis
-        return mesh.size(axis) if axis in mesh.axis_names else 1
+        return math.prod(mesh.size(a) for a in self.data_axes if a in mesh.axis_names)
 
     def make_rules(self, names: Any = None) -> Any:
-        """The rules the presets give: ``rules.zero`` (+ ``rules.megatron`` /
-        ``rules.ulysses`` with ``names``)."""
+        """The rules the presets give: ``rules.zero`` (+ ``rules.experts``,
+        ``rules.megatron`` / ``rules.ulysses`` with ``names``)."""
         from .. import rules
 
-        out = rules.zero(self.parallel.zero, self.parallel.zero_axis)
+        p = self.parallel
+        out = rules.zero(p.zero, self.data_axes if p.ep is not None else p.zero_axis)
         extra = {} if names is None else {"names": names}
         if self.parallel.tp is not None:
             out = (
@@ -218,6 +226,8 @@ class RunConfig:
             )
         if self.parallel.sp is not None:
             out = rules.ulysses(self.parallel.sp, **extra) + out
+        if p.ep is not None:  # first: the experts' own layout, inside each expert tp's
+            out = rules.experts(p.ep, tp=p.tp, batch=self.data_axes) + out
         return out
 
     def make_schedule(self) -> Callable[[int], float]:
@@ -325,6 +335,9 @@ class RunConfig:
             presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
         if p.sp:
             presets.append(f"rules.ulysses({p.sp!r})")
+        if p.ep:
+            presets[0] = f"rules.zero({p.zero}, {self.data_axes!r})"
+            presets.insert(0, f"rules.experts({p.ep!r}, tp={p.tp!r}, batch={self.data_axes!r})")
         lr = self.make_schedule()
         total = s.total_steps or self.steps
         return "\n".join(
@@ -371,3 +384,22 @@ def _warmup_then(s: ScheduleConfig, peak: float, total: int) -> Callable[[int], 
         return peak + (end - peak) * f
 
     return schedule
+
+
+def _check_pipeline(config: RunConfig) -> None:
+    """What a pipeline (``parallel.pp``) cannot be combined with yet."""
+    if config.parallel.ep is not None:
+        raise ConfigError(
+            "parallel.pp with parallel.ep: experts inside pipeline stages are not supported "
+            "yet (issue 22); drop one of them"
+        )
+    if config.precision.params == "fp16":
+        raise ConfigError(
+            "parallel.pp with fp16: dynamic loss scaling would skip steps stage by stage "
+            "(an overflow seen by one stage only); use bf16 or fp32 with a pipeline"
+        )
+    if config.batch.accumulation not in (None, 1):
+        raise ConfigError(
+            f"parallel.pp with batch.accumulation {config.batch.accumulation}: a pipeline "
+            "accumulates over its own micro-batches; set parallel.pp_micro_batches instead"
+        )

@@ -37,7 +37,10 @@ class ParallelConfig:
     Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``pp`` — the
     pipeline axis, run by the ``pp_schedule`` generator (``pipeline.<name>``)
     over ``pp_micro_batches`` micro-batches (None: twice the stages) with
-    ``pp_virtual`` stages per rank where the schedule takes several;
+    ``pp_virtual`` stages per rank where the schedule takes several; ``ep``
+    — the axis of ``rules.experts`` (mixture-of-experts layers: each rank
+    holds its experts; the ``ep`` ranks take their own rows of the batch,
+    as the data axis's do);
     ``bucket_bytes`` of gradient reductions; ``prefetch`` of ZeRO-3 gathers."""
 
     zero: int = attrs.field(default=0, converter=_as_int("zero"))
@@ -46,6 +49,7 @@ class ParallelConfig:
     sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
     sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
     pp: str | None = attrs.field(default=None, converter=_optional(_as_str, "pp"))
+    ep: str | None = attrs.field(default=None, converter=_optional(_as_str, "ep"))
     pp_schedule: str = attrs.field(default="1f1b", validator=_in(PP_SCHEDULES))
     pp_micro_batches: int | None = attrs.field(
         default=None, converter=_optional(_as_int, "pp_micro_batches"), validator=_positive
@@ -61,6 +65,14 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero is a ZeRO stage 0..3; got {self.zero!r}")
         if self.sequence_parallel and self.tp is None:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp (the tensor axis)")
+        named = [("zero_axis", self.zero_axis), ("tp", self.tp), ("sp", self.sp), ("pp", self.pp)]
+        for key, axis in named:
+            if self.ep is not None and axis == self.ep:
+                raise ConfigError(
+                    f"parallel.ep and parallel.{key} both name the axis {self.ep!r}: experts need "
+                    "an axis of their own (a mesh of {'dp': ..., 'ep': ...} splits the data "
+                    "ranks into expert groups)"
+                )
 
 
 @attrs.frozen

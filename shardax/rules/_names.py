@@ -108,10 +108,11 @@ GPT_NAMES = TransformerNames(
     attention_in=r"blocks\.\d+\.attn\.qkv",
     attention_out=r"blocks\.\d+\.attn\.proj",
     regions=r"blocks\.\d+\.(attn|mlp)",
-    replicated=r"wpe",
+    replicated=r"wpe|blocks\.\d+\.mlp\.router",
 )
 """The module names of the example GPT (``examples/gpt.py``, GPT-2's); its
-position embedding stays whole."""
+position embedding stays whole, and so does a mixture-of-experts block's
+router (its experts are ``rules.experts``')."""
 
 LLAMA_NAMES = TransformerNames(
     column=r"model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(shared_expert\.)?(gate|up)_proj)",

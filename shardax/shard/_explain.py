@@ -75,6 +75,7 @@ class Explanation:
     mesh: AbstractMesh
     rows: tuple[Row, ...]
     roles: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    notes: tuple[str, ...] = ()  # what module rules say of themselves (experts per rank, …)
 
     @property
     def rank_bytes(self) -> tuple[int, ...]:
@@ -135,6 +136,7 @@ class Explanation:
                 + ", ".join(parts)
                 + f"; {format_bytes(total)} in all"
             )
+        lines += self.notes
         return "\n".join(lines)
 
 
@@ -202,6 +204,13 @@ def explain(
                 rank_bytes=tuple(int(n) * leaf.dtype.itemsize for n in numels),
             )
         )
+    notes: list[str] = []
+    if rules is not None:  # a module rule's forward may say what it does on this mesh
+        tensors = {r.path: (r.shape, r.dtype.itemsize) for r in rows}
+        for module_rule in rules.modules:
+            describe = getattr(module_rule.forward, "explain", None)
+            if describe is not None:
+                notes += describe(module_rule.pattern, tensors, mesh)
     return Explanation(
         mesh.abstract,
         tuple(rows),
@@ -209,6 +218,7 @@ def explain(
             (role, tuple(int(v) for v in np.broadcast_to(b, (mesh.world_size,))))
             for role, b in roles.items()
         ),
+        tuple(notes),
     )
 
 

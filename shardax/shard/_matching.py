@@ -290,7 +290,7 @@ class Rules:
         >>> rules
         Rules(megatron('tp', names='auto'))
         >>> rules.resolve(["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"]).rules[0]
-        Rule('(model\\\\.layers\\\\.\\\\d+\\\\.(self_attn\\\\.[qkv]_proj|mlp\\\\.(gate|up)_proj))\\\\.weight', P('tp', None))
+        Rule('(model\\\\.layers\\\\.\\\\d+\\\\.(self_attn\\\\.[qkv]_proj|mlp\\\\.(shared_expert\\\\.)?(gate|up)_proj))\\\\.weight', P('tp', None))
         """
         if not self.deferred:
             return self

@@ -76,3 +76,15 @@ def test_the_monitor_records_each_experts_share_and_the_dropped_fraction_of_the_
     )
     assert 0 < record["dropped_fraction"] == pytest.approx(seen.dropped_fraction)
     assert record["dropped_fraction"] == float(seen.dropped.sum()) / float(seen.load.sum())
+
+
+def test_explain_shows_the_experts_per_rank_and_the_bytes_each_token_moves():
+    model = _model("mixtral")
+    rules = sx.rules.experts("ep") + sx.rules.zero(3, ("dp", "ep"))
+    text = str(sx.explain(sx.params_of(model), sx.AbstractMesh({"dp": 2, "ep": 2}), rules))
+    assert "experts over 'ep' (2 ranks): 2 layers of 4 experts (d=16), 2 per rank" in text
+    assert "rank r holds experts 2·r … 2·(r+1)−1" in text
+    # 4 crossings · 1/2 of the choices elsewhere · 16 floats · 4 B, per choice
+    assert "= 128·k B; 256·k B over the 2 layers" in text
+    one = str(sx.explain(sx.params_of(model), sx.AbstractMesh({"dp": 1, "ep": 1}), rules))
+    assert "4 per rank" in one and "= 0·k B" in one  # one rank: nothing moves
