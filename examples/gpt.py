@@ -142,8 +142,14 @@ def small() -> GPT:
     return GPT(PRESETS["small"])
 
 
-def param_count(cfg: GPTConfig) -> int:
-    """Number of distinct parameters of ``GPT(cfg)`` (a tied head counted once).
+def param_count(cfg: GPTConfig, *, active: bool = False) -> int:
+    """Number of distinct parameters of ``GPT(cfg)`` (a tied head counted
+    once); ``active``: those one token runs through (its ``top_k`` experts
+    of each mixture, not all of them), for FLOPs.
+
+    >>> moe = PRESETS["tiny"].replace(experts=8)
+    >>> param_count(moe) > param_count(moe, active=True) > param_count(PRESETS["tiny"])
+    True
 
     >>> param_count(PRESETS["bench"]) / 1e6, param_count(PRESETS["wide"]) / 1e6
     (23.240704, 134.391808)
@@ -153,7 +159,8 @@ def param_count(cfg: GPTConfig) -> int:
     attention = (d * 3 * d + 3 * d) + (d * d + d)  # qkv, proj
     mlp = (d * hidden + hidden) + (hidden * d + d)  # fc, proj
     if cfg.experts:  # router, then each expert's gate, up and down
-        mlp = d * cfg.experts + cfg.experts * 3 * d * (hidden // 2)
+        used = cfg.top_k if active else cfg.experts
+        mlp = d * cfg.experts + used * 3 * d * (hidden // 2)
     block = layer_norms + attention + mlp
     embeddings = (cfg.vocab_size + cfg.seq_len) * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d

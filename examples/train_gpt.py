@@ -807,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         samples_per_step=batch.global_size,
         tokens_per_step=tokens_per_step,
         flops_per_token=sx.monitor.transformer_flops_per_token(
-            param_count(cfg), cfg.n_layers, cfg.seq_len, cfg.d_model
+            param_count(cfg, active=True), cfg.n_layers, cfg.seq_len, cfg.d_model
         ),
         total_steps=steps,
         stream=AboveBar(bar, sys.stdout) if bar is not None else None,
