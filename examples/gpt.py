@@ -242,9 +242,12 @@ class Experts(nn.Module):
         x = hidden.reshape(-1, hidden.shape[-1])
         routing = moe.Routing(top_k_index, top_k_weights, torch.empty(0))
         buffer, plan = moe.dispatch(
-            x, routing, capacity_factor=self.capacity_factor, num_experts=self.num_experts
+            x, routing, capacity_factor=self.capacity_factor, num_experts=self.num_experts,
+            block="auto",
+        )  # fmt: skip
+        y = moe.swiglu_experts(
+            buffer, self.gate_up_proj, self.down_proj, self.act_fn, experts=plan.experts
         )
-        y = moe.swiglu_experts(buffer, self.gate_up_proj, self.down_proj, self.act_fn)
         return moe.combine(y, plan).view_as(hidden)
 
 

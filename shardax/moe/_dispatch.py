@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ class Plan(NamedTuple):
     axis: str | None
     mesh: Mesh | None
     load: torch.Tensor  # [experts] pairs this rank routed to each, before capacity
+    experts: torch.Tensor  # [blocks] the local expert of each block of the buffer
 
 
 def capacity_of(tokens: int, experts: int, k: int, factor: float) -> int:
@@ -74,9 +75,17 @@ def dispatch(
     batch: str | Sequence[str] | None = None,
     mesh: Mesh | None = None,
     num_experts: int | None = None,
+    block: int | str | None = None,
 ) -> tuple[torch.Tensor, Plan]:
     """``x`` (``[tokens, d]``) laid out for the experts: a buffer
     ``[local experts, slots, d]`` (zeros in unused slots) and its plan.
+
+    ``block``: lay each expert's rows in blocks of that many rows instead
+    (``"auto"``: the mean load) — a buffer ``[blocks, block, d]``, each
+    block one expert's (:attr:`Plan.experts`), so an uneven load costs
+    less than a block of padding per expert rather than the fullest
+    expert's slots for every expert; run it with ``swiglu_experts(...,
+    experts=plan.experts)``.
 
     ``axis``: the mesh axis the experts are split over (``mesh``'s); None:
     every expert here. ``capacity``: at most that many pairs per expert, or
@@ -97,6 +106,9 @@ def dispatch(
     ([[0.0, 2.0], [1.0, 0.0]], 0, [2, 1])
     >>> dispatch(torch.arange(3.0)[:, None], r, capacity=1)[1].dropped
     1
+    >>> blocks, plan = dispatch(torch.arange(3.0)[:, None], r, block=1)
+    >>> blocks[..., 0].tolist(), plan.experts.tolist()
+    ([[0.0], [2.0], [1.0]], [0, 0, 1])
     """
     if x.dim() != 2 or routing.experts.shape[0] != x.shape[0]:
         raise ShardingError(
@@ -151,17 +163,35 @@ def dispatch(
         local_counts = got.sum(0)
     else:
         here, local_counts = expert, counts
-    slots = int(local_counts.max()) if local_counts.numel() else 0
-    # each row's place: its expert's block, then its rank among that expert's rows
+    if block is None:  # one block per expert, as many slots as the fullest needs
+        size = int(local_counts.max()) if local_counts.numel() else 0
+        blocks_of = torch.ones_like(local_counts)
+    else:  # each expert's rows in blocks of `size`: less than a block of padding each
+        size = _block_size(block, int(local_counts.sum()), local)
+        blocks_of = (local_counts + size - 1) // size
+    # each row's place: its expert's first block, then its rank among that expert's rows
     here_sorted, by_expert = torch.sort(here, stable=True)
     starts = torch.cumsum(local_counts, 0) - local_counts
     within = torch.empty_like(here)
     within[by_expert] = torch.arange(here.numel(), device=x.device) - starts[here_sorted]
-    slot = here * slots + within
-    buffer = rows.new_zeros(local * slots, x.shape[1]).index_add(0, slot, rows)
-    plan = Plan(tokens, token, weight, slot, send, recv, dropped, axis, mesh, load)
+    first = torch.cumsum(blocks_of, 0) - blocks_of
+    slot = first[here] * size + within
+    n_blocks = int(blocks_of.sum())
+    buffer = rows.new_zeros(n_blocks * size, x.shape[1]).index_add(0, slot, rows)
+    experts = torch.repeat_interleave(torch.arange(local, device=x.device), blocks_of)
+    plan = Plan(tokens, token, weight, slot, send, recv, dropped, axis, mesh, load, experts)
     _stats.record(plan, _batch_axes(batch, axis) if mesh is not None else ())
-    return buffer.view(local, slots, x.shape[1]), plan
+    return buffer.view(n_blocks, size, x.shape[1]), plan
+
+
+def _block_size(block: int | str, rows: int, local: int) -> int:
+    if block == "auto":  # the mean load: at most twice as many blocks as experts
+        return max(1, -(-rows // max(local, 1)))
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ShardingError(
+            f"dispatch: block is a positive number of rows or 'auto'; got {block!r}"
+        )
+    return block
 
 
 def _batch_axes(batch: str | Sequence[str] | None, axis: str | None) -> tuple[str, ...]:
@@ -221,25 +251,66 @@ def combine(y: torch.Tensor, plan: Plan) -> torch.Tensor:
     return rows.new_zeros(plan.tokens, y.shape[-1]).index_add(0, plan.token, rows)
 
 
+class _GroupedMM(torch.autograd.Function):
+    """``x[b] @ w[experts[b]]ᵀ`` for every block ``b`` — one batched matmul
+    over the gathered weights, which backward gathers again rather than
+    keeping them (no copy of the experts' weights held for backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, experts)
+        return torch.bmm(x, w.index_select(0, experts).transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w, experts = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.bmm(grad, w.index_select(0, experts))
+        if ctx.needs_input_grad[1]:
+            per_block = torch.bmm(grad.transpose(1, 2), x)
+            grad_w = torch.zeros_like(w).index_add_(0, experts, per_block)
+        return grad_x, grad_w, None
+
+
 def swiglu_experts(
     buffer: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: str | Callable[[torch.Tensor], torch.Tensor] = "silu",
+    *,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every expert's gated MLP at once, as Mixtral's and Qwen2-MoE's
     experts compute it: ``down(act(gate(x)) · up(x))`` with the weights
     stacked as Hugging Face stores them — ``gate_up`` ``[experts, 2f, d]``
     (gate rows first), ``down`` ``[experts, d, f]``. Two batched matmuls.
+    ``experts``: the expert of each block of a buffer laid out in blocks
+    (:attr:`Plan.experts`).
     ``act``: ``"silu"``, ``"gelu"``, ``"relu"`` or a function.
 
     >>> import torch
     >>> swiglu_experts(torch.ones(2, 3, 4), torch.ones(2, 10, 4), torch.ones(2, 4, 5)).shape
     torch.Size([2, 3, 4])
     """
-    h = torch.bmm(buffer, gate_up.transpose(1, 2))
-    gate, up = h.chunk(2, dim=-1)
     activation = act if callable(act) else {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}.get(act)
     if activation is None:
         raise ShardingError(f"swiglu_experts: act is 'silu', 'gelu' or 'relu'; got {act!r}")
-    return torch.bmm(activation(gate) * up, down.transpose(1, 2))
+    n = gate_up.shape[0]
+    if (
+        experts is not None
+        and experts.numel() == n
+        and torch.equal(experts, torch.arange(n, device=experts.device))
+    ):
+        experts = None  # one block per expert, in order: the weights as they are
+    if experts is None:
+        if buffer.shape[0] != gate_up.shape[0]:
+            raise ShardingError(
+                f"swiglu_experts: a buffer of {buffer.shape[0]} blocks for {gate_up.shape[0]} "
+                "experts; a buffer laid out in blocks (dispatch(..., block=...)) runs with "
+                "experts=plan.experts"
+            )
+        gate, up = torch.bmm(buffer, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(activation(gate) * up, down.transpose(1, 2))
+    gate, up = _GroupedMM.apply(buffer, gate_up, experts).chunk(2, dim=-1)
+    return _GroupedMM.apply(activation(gate) * up, down, experts)

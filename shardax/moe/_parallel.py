@@ -72,8 +72,11 @@ def expert_parallel(
         buffer, plan = dispatch(
             x, routing, capacity_factor=factor, axis=axis, batch=batch,
             mesh=mesh if axis is not None or batch is not None else None, num_experts=total,
+            block="auto",
         )  # fmt: skip
-        y = combine(swiglu_experts(buffer, gate_up, down, module.act_fn), plan)
+        y = combine(
+            swiglu_experts(buffer, gate_up, down, module.act_fn, experts=plan.experts), plan
+        )
         return y.to(hidden_states.dtype).view_as(hidden_states)
 
     forward.explain = functools.partial(_explain, axis)  # type: ignore[attr-defined]

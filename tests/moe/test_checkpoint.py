@@ -1,8 +1,9 @@
 """Checkpoints of a model whose experts are split over ``ep`` hold the
 model's own key paths and global shapes: saved from dp=2 × ep=2 under
-ZeRO-3 after two AdamW steps, params and optimizer state load on ep=4 (one
-expert per rank), on one process, and into the plain Hugging Face model,
-equal to what was saved."""
+ZeRO-3, or from ep=2 × tp=2 (each expert split by Megatron's rules too),
+after two AdamW steps, params and optimizer state load on ep=4 (one expert
+per rank), on one process, and into the plain Hugging Face model, equal to
+what was saved."""
 
 from __future__ import annotations
 
@@ -15,19 +16,28 @@ import shardax as sx
 
 
 def _rules(mesh: sx.Mesh) -> sx.Rules:
+    if "tp" in mesh.axis_names:
+        return sx.rules.experts("ep", tp="tp") + sx.rules.megatron("tp", names="auto")
     return sx.rules.experts("ep") + sx.rules.zero(3, tuple(mesh.axis_names))
 
 
-def _train_and_save(path: str) -> dict[str, torch.Tensor]:
-    mesh = sx.Mesh({"dp": 2, "ep": 2})
-    data = ("dp", "ep")
+def _train_and_save(path: str, shape: dict[str, int]) -> dict[str, torch.Tensor]:
+    mesh = sx.Mesh(shape)
+    data = tuple(a for a in shape if a != "tp")
     n, me = mesh.size(data), mesh.axis_index(data)
     model = _model("mixtral")
     params = sx.shard(sx.params_of(model), mesh, _rules(mesh))
     lr, (b1, b2), eps, wd = HYPER
     opt = sx.optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
     state = opt.init(params)
-    grad_fn = sx.value_and_grad(lambda p, x, y: _loss(sx.apply(model, p, x), y))
+
+    def loss(p, x, y):
+        out = sx.apply(model, p, x)
+        if "tp" in shape:  # the head's logits: this rank's piece of the vocabulary
+            return sx.vocab_parallel_cross_entropy(out.logits, y, "tp", mesh=mesh)
+        return _loss(out, y)
+
+    grad_fn = sx.value_and_grad(loss)
     for x, y in _batches()[:2]:
         rows = slice(me * len(x) // n, (me + 1) * len(x) // n)
         _, grads = grad_fn(params, x[rows], y[rows])
@@ -52,10 +62,13 @@ def _load_on_ep4(path: str) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.slow  # two 4-rank jobs, about 15 s
-def test_an_expert_parallel_checkpoint_loads_on_any_ep_and_into_the_plain_model(tmp_path):
+@pytest.mark.slow  # two 4-rank jobs each, about 15 s
+@pytest.mark.parametrize(
+    "shape", [{"dp": 2, "ep": 2}, {"ep": 2, "tp": 2}], ids=["dp2xep2-zero3", "ep2xtp2"]
+)
+def test_an_expert_parallel_checkpoint_loads_on_any_ep_and_into_the_plain_model(tmp_path, shape):
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(_train_and_save, path, world_size=4)[0]
+    saved = run_ranks(_train_and_save, path, shape, world_size=4)[0]
     index = sx.ckpt.read_index(path)
     plain = _model("mixtral")
     shapes = {k: tuple(v.shape) for k, v in plain.named_parameters()}

@@ -145,6 +145,31 @@ def test_routing_scores_bias_and_losses():
     assert moe.update_bias(torch.zeros(2), torch.tensor([3, 1]), 0.5).tolist() == [-0.5, 0.5]
 
 
+@pytest.mark.parametrize("block", [1, 3, "auto"])
+def test_blocks_give_the_padded_layouts_outputs_and_gradients(block):
+    """``dispatch(block=...)``: each expert's rows in blocks, the weights of
+    each block gathered in the matmul — equal to one padded block per
+    expert, values and every gradient; imbalanced on purpose."""
+    torch.manual_seed(3)
+    x = torch.randn(12, D)
+    logits = torch.randn(12, E) + torch.tensor([3.0, 0.0, 0.0, -3.0])  # expert 0 full, 3 empty
+    gate_up, down = torch.randn(E, 2 * F_, D), torch.randn(E, D, F_)
+    results = []
+    for kind in (None, block):
+        leaves = [t.double().requires_grad_() for t in (x, logits, gate_up, down)]
+        routing = moe.route(leaves[1], K)
+        buffer, plan = moe.dispatch(leaves[0], routing, block=kind)
+        experts = None if kind is None else plan.experts
+        y = moe.combine(moe.swiglu_experts(buffer, *leaves[2:], experts=experts), plan)
+        (y * _cotangent(y.shape).double()).sum().backward()
+        results.append((y, buffer.shape, [t.grad for t in leaves]))
+    (y0, padded, grads0), (y1, blocked, grads1) = results
+    torch.testing.assert_close(y1, y0)
+    for a, b in zip(grads1, grads0, strict=True):
+        torch.testing.assert_close(a, b)
+    assert blocked[0] * blocked[1] < padded[0] * padded[1]  # less padding than the fullest's
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -159,6 +184,14 @@ def test_routing_scores_bias_and_losses():
         (
             lambda: moe.dispatch(torch.zeros(2, 4), moe.route(torch.zeros(2, 3), 1), axis="ep"),
             r"needs the mesh",
+        ),
+        (
+            lambda: moe.dispatch(torch.zeros(2, 4), moe.route(torch.zeros(2, 3), 1), block=0),
+            r"block is a positive number of rows or 'auto'; got 0",
+        ),
+        (
+            lambda: moe.swiglu_experts(torch.zeros(5, 2, 4), torch.zeros(3, 6, 4), torch.zeros(3, 4, 3)),
+            r"a buffer of 5 blocks for 3 experts.*experts=plan.experts",
         ),
     ],
 )  # fmt: skip

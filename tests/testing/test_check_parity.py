@@ -1,6 +1,6 @@
 """``sx.testing.check_parity``: one step on the mesh against the same step
 as one process, reported by key path — used here on each parallelism
-(ZeRO-3, Megatron, experts, experts × tp, ZeRO-3 × experts), and shown to
+(ZeRO-3, Megatron, Ulysses, experts, experts × tp, ZeRO-3 × experts), and shown to
 catch an expert gradient off by the expert-parallel size and to name it."""
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4)
 
 def _gpt(shape: dict[str, int]) -> sx.testing.Parity:
     mesh = sx.Mesh(shape)
-    rules = sx.rules.megatron("tp") if "tp" in shape else sx.rules.zero(3, "dp")
+    rules = {"tp": sx.rules.megatron("tp"), "sp": sx.rules.ulysses("sp")}.get(
+        next(iter(shape)), sx.rules.zero(3, "dp")
+    )
     with torch.device("meta"):
         model = GPT(CFG)
     torch.manual_seed(0)
@@ -40,8 +42,12 @@ def _gpt(shape: dict[str, int]) -> sx.testing.Parity:
     def split(p, x, y):  # Megatron's head: this rank's piece of the vocabulary
         return sx.vocab_parallel_cross_entropy(sx.apply(model, p, x), y, "tp", mesh=mesh)
 
-    data = tuple(a for a in shape if a != "tp")
-    step = sx.value_and_grad(split if "tp" in shape else dense)
+    def positions(p, x, y):  # Ulysses: the logits of this rank's piece of the sequence
+        mine = y.chunk(mesh.size("sp"), dim=1)[mesh.axis_index("sp")]
+        return F.cross_entropy(sx.apply(model, p, x).flatten(0, 1), mine.flatten())
+
+    data = tuple(a for a in shape if a not in ("tp", "sp"))  # the others share each batch
+    step = sx.value_and_grad({"tp": split, "sp": positions}.get(next(iter(shape)), dense))
     return sx.testing.check_parity(
         step, params, (x, y), mesh, data=data, reference=sx.value_and_grad(dense)
     )
@@ -82,9 +88,14 @@ def _experts(shape: dict[str, int], zero: int, bug: float = 1.0) -> sx.testing.P
 
 
 @pytest.mark.parametrize(
-    "shape", [pytest.param({"dp": 2}, id="dp2-zero3"), pytest.param({"tp": 2}, id="tp2-megatron")]
+    "shape",
+    [
+        pytest.param({"dp": 2}, id="dp2-zero3"),
+        pytest.param({"tp": 2}, id="tp2-megatron"),
+        pytest.param({"sp": 2}, id="sp2-ulysses"),
+    ],
 )
-def test_check_parity_passes_the_example_gpt_under_zero_and_megatron(shape):
+def test_check_parity_passes_the_example_gpt_under_zero_megatron_and_ulysses(shape):
     for report in run_ranks(_gpt, shape, world_size=2):
         assert report.ok, str(report)
         assert {d.path for d in report.worst} >= {"loss", "blocks.0.mlp.fc.weight", "wte.weight"}
