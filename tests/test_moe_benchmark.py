@@ -8,26 +8,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-from _bench import check_training_row
+from _bench import check_training_row, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 def test_moe_benchmark_smoke(tmp_path):
     out = tmp_path / "moe.json"
     modes = ["shardax1", "shardax3-dropless", "deepspeed1-dropless"]
-    argv = [sys.executable, "benchmarks/moe.py", "--smoke", "--json", str(out)]
-    done = subprocess.run(
-        [*argv, "--modes", ",".join(modes)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    header, rows, summary = run_benchmark(
+        "moe.py", "--smoke", "--json", str(out), "--modes", ",".join(modes), timeout=300
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
-    header, rows, summary = lines[0], lines[1:-1], lines[-1]
     assert header["benchmark"] == "moe" and header["nproc"] == header["ep"] == 2
     assert header["model"]["experts"] == 4 and header["model"]["params"] > 0
     ran = modes if HAS_DEEPSPEED else modes[:2]

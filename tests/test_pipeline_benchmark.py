@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from _bench import check_training_row
+from _bench import check_training_row, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 # DDP, torch and shardax with a stage per rank and two in a V (the tied
@@ -26,13 +24,9 @@ TOLERANCE = 1e-4
 
 def test_pipeline_benchmark_smoke(tmp_path):
     out = tmp_path / "pipeline.json"
-    argv = [sys.executable, "benchmarks/pipeline.py", "--smoke", "--out", str(out)]
-    done = subprocess.run(
-        [*argv, "--modes", ",".join(MODES)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    header, rows, summary = run_benchmark(
+        "pipeline.py", "--smoke", "--out", str(out), "--modes", ",".join(MODES), timeout=120
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
-    header, rows, summary = lines[0], lines[1:-1], lines[-1]
     assert header["benchmark"] == "pipeline" and header["nproc"] == 2
     assert header["modes"] == MODES and header["micro_batches"] == 4
     assert [r["mode"] for r in rows] == MODES  # one repeat, in order

@@ -7,12 +7,10 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _bench import check_training_row
+from _bench import check_training_row, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 # By default the anchors and one mode of each kind (ZeRO, tensor parallelism);
@@ -35,17 +33,9 @@ def test_gpt_docstring_examples():
 
 def _smoke(tmp_path, modes: set[str]) -> tuple[dict, list[dict], dict, dict]:
     out = tmp_path / "train.json"
-    argv = [sys.executable, "benchmarks/train.py", "--smoke", "--json", str(out)]
-    done = subprocess.run(
-        [*argv, "--modes", ",".join(sorted(modes))],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
+    header, rows, summary = run_benchmark(
+        "train.py", "--smoke", "--json", str(out), "--modes", ",".join(sorted(modes)), timeout=400
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
-    header, rows, summary = lines[0], lines[1:-1], lines[-1]
     assert header["benchmark"] == "train" and header["nproc"] == 2
     assert set(header["modes"]) == modes and header["skipped"] == {}
     return header, rows, summary, json.loads(out.read_text())

@@ -81,7 +81,9 @@ def dispatch(
     ``[local experts, slots, d]`` (zeros in unused slots) and its plan.
 
     ``block``: lay each expert's rows in blocks of that many rows instead
-    (``"auto"``: the mean load) — a buffer ``[blocks, block, d]``, each
+    (``"auto"``: whichever costs least, this layout or blocks, a block's
+    weight gather counted as ``BLOCK_COST_ROWS`` rows) — a buffer
+    ``[blocks, block, d]``, each
     block one expert's (:attr:`Plan.experts`), so an uneven load costs
     less than a block of padding per expert rather than the fullest
     expert's slots for every expert; run it with ``swiglu_experts(...,
@@ -163,11 +165,11 @@ def dispatch(
         local_counts = got.sum(0)
     else:
         here, local_counts = expert, counts
-    if block is None:  # one block per expert, as many slots as the fullest needs
-        size = int(local_counts.max()) if local_counts.numel() else 0
+    fullest = int(local_counts.max()) if local_counts.numel() else 0
+    size = fullest if block is None else _block_size(block, local_counts)
+    if size == fullest:  # one block per expert, as many slots as the fullest needs
         blocks_of = torch.ones_like(local_counts)
     else:  # each expert's rows in blocks of `size`: less than a block of padding each
-        size = _block_size(block, int(local_counts.sum()), local)
         blocks_of = (local_counts + size - 1) // size
     # each row's place: its expert's first block, then its rank among that expert's rows
     here_sorted, by_expert = torch.sort(here, stable=True)
@@ -184,14 +186,31 @@ def dispatch(
     return buffer.view(n_blocks, size, x.shape[1]), plan
 
 
-def _block_size(block: int | str, rows: int, local: int) -> int:
-    if block == "auto":  # the mean load: at most twice as many blocks as experts
-        return max(1, -(-rows // max(local, 1)))
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ShardingError(
-            f"dispatch: block is a positive number of rows or 'auto'; got {block!r}"
-        )
-    return block
+BLOCK_COST_ROWS = 64
+"""What gathering one block's weights costs, in rows of expert compute (both
+scale with ``d · f``): measured on CPU, forward and backward, d=512, f=1024."""
+
+
+def _block_size(block: int | str, counts: torch.Tensor) -> int:
+    """``block``, or for ``"auto"`` the size that costs least: the padded
+    layout (the fullest's slots for each expert, no gather), or blocks of
+    ``fullest / j`` rows, each block's rows plus its weights' gather."""
+    if block != "auto":
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ShardingError(
+                f"dispatch: block is a positive number of rows or 'auto'; got {block!r}"
+            )
+        return block
+    fullest = int(counts.max()) if counts.numel() else 0
+    best, cost = fullest, counts.numel() * fullest
+    for j in range(2, 9):
+        size = -(-fullest // j)
+        if size < 1:
+            break
+        blocks = int(((counts + size - 1) // size).sum())
+        if blocks * (size + BLOCK_COST_ROWS) < cost:
+            best, cost = size, blocks * (size + BLOCK_COST_ROWS)
+    return best
 
 
 def _batch_axes(batch: str | Sequence[str] | None, axis: str | None) -> tuple[str, ...]:

@@ -145,11 +145,13 @@ def test_routing_scores_bias_and_losses():
     assert moe.update_bias(torch.zeros(2), torch.tensor([3, 1]), 0.5).tolist() == [-0.5, 0.5]
 
 
-@pytest.mark.parametrize("block", [1, 3, "auto"])
+@pytest.mark.parametrize("block", [1, 3, "auto"])  # auto: the padded layout here
 def test_blocks_give_the_padded_layouts_outputs_and_gradients(block):
     """``dispatch(block=...)``: each expert's rows in blocks, the weights of
     each block gathered in the matmul — equal to one padded block per
-    expert, values and every gradient; imbalanced on purpose."""
+    expert, values and every gradient; imbalanced on purpose. ``"auto"``
+    picks blocks only where their weight gathers cost less than the
+    padding."""
     torch.manual_seed(3)
     x = torch.randn(12, D)
     logits = torch.randn(12, E) + torch.tensor([3.0, 0.0, 0.0, -3.0])  # expert 0 full, 3 empty
@@ -167,7 +169,9 @@ def test_blocks_give_the_padded_layouts_outputs_and_gradients(block):
     torch.testing.assert_close(y1, y0)
     for a, b in zip(grads1, grads0, strict=True):
         torch.testing.assert_close(a, b)
-    assert blocked[0] * blocked[1] < padded[0] * padded[1]  # less padding than the fullest's
+    assert blocked[0] * blocked[1] <= padded[0] * padded[1]  # never more padding
+    if block != "auto":  # at 12 tokens a block's weight gather costs more than the padding
+        assert blocked[0] * blocked[1] < padded[0] * padded[1]
 
 
 @pytest.mark.parametrize(
@@ -198,3 +202,14 @@ def test_blocks_give_the_padded_layouts_outputs_and_gradients(block):
 def test_bad_input_names_the_shapes(call, match):
     with pytest.raises(sx.ShardingError, match=match):
         call()
+
+
+def test_auto_blocks_where_the_padding_costs_more_than_the_gathers():
+    from shardax.moe._dispatch import BLOCK_COST_ROWS, _block_size
+
+    uneven = torch.tensor([922, 512, 358, 256])  # the mean 512: padding to 922 wastes 1640 rows
+    size = _block_size("auto", uneven)
+    blocks = int(((uneven + size - 1) // size).sum())
+    assert size < 922 and blocks * (size + BLOCK_COST_ROWS) < 4 * 922
+    assert _block_size("auto", torch.tensor([512, 512, 358, 256])) == 512  # capped: padded
+    assert _block_size("auto", torch.tensor([0, 0])) == 0  # nothing here
