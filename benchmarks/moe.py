@@ -274,6 +274,7 @@ def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", mode]
         argv += ["--threads", str(args.threads), "--result", str(result), "--data", args.data]
         argv += ["--preset", args.preset, "--micro-batch", str(args.micro), "--ep", str(args.ep)]
+        argv += ["--nproc", str(args.nproc)]
         argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
         argv += ["--experts", str(args.experts), "--top-k", str(args.top_k)]
         argv += ["--capacity-factor", str(args.capacity_factor)]

@@ -80,13 +80,13 @@ def dispatch(
     """``x`` (``[tokens, d]``) laid out for the experts: a buffer
     ``[local experts, slots, d]`` (zeros in unused slots) and its plan.
 
-    ``block``: lay each expert's rows in blocks of that many rows instead
-    (``"auto"``: whichever costs least, this layout or blocks, a block's
-    weight gather counted as ``BLOCK_COST_ROWS`` rows) — a buffer
-    ``[blocks, block, d]``, each
-    block one expert's (:attr:`Plan.experts`), so an uneven load costs
-    less than a block of padding per expert rather than the fullest
-    expert's slots for every expert; run it with ``swiglu_experts(...,
+    ``block``: blocks of that many rows instead — each expert's first
+    ``block`` rows in its own block, in expert order, then extra blocks for
+    the rows past them (:attr:`Plan.experts`: each block's expert) — so an
+    uneven load pads each expert to a block rather than every expert to
+    the fullest; ``"auto"``: whichever costs least, the padded layout or
+    blocks of ``fullest / j`` rows, an extra block's weight gather counted
+    as ``BLOCK_COST_ROWS`` rows. Run it with ``swiglu_experts(...,
     experts=plan.experts)``.
 
     ``axis``: the mesh axis the experts are split over (``mesh``'s); None:
@@ -110,7 +110,7 @@ def dispatch(
     1
     >>> blocks, plan = dispatch(torch.arange(3.0)[:, None], r, block=1)
     >>> blocks[..., 0].tolist(), plan.experts.tolist()
-    ([[0.0], [2.0], [1.0]], [0, 0, 1])
+    ([[0.0], [1.0], [2.0]], [0, 1, 0])
     """
     if x.dim() != 2 or routing.experts.shape[0] != x.shape[0]:
         raise ShardingError(
@@ -167,20 +167,21 @@ def dispatch(
         here, local_counts = expert, counts
     fullest = int(local_counts.max()) if local_counts.numel() else 0
     size = fullest if block is None else _block_size(block, local_counts)
-    if size == fullest:  # one block per expert, as many slots as the fullest needs
-        blocks_of = torch.ones_like(local_counts)
-    else:  # each expert's rows in blocks of `size`: less than a block of padding each
-        blocks_of = (local_counts + size - 1) // size
-    # each row's place: its expert's first block, then its rank among that expert's rows
+    # every expert's first `size` rows in its own block (expert order); the rows of an
+    # expert past its first block in extra blocks after them (none when size is the fullest)
+    extra_of = ((local_counts + size - 1) // max(size, 1) - 1).clamp(min=0)
     here_sorted, by_expert = torch.sort(here, stable=True)
     starts = torch.cumsum(local_counts, 0) - local_counts
     within = torch.empty_like(here)
     within[by_expert] = torch.arange(here.numel(), device=x.device) - starts[here_sorted]
-    first = torch.cumsum(blocks_of, 0) - blocks_of
-    slot = first[here] * size + within
-    n_blocks = int(blocks_of.sum())
+    extra_first = local + torch.cumsum(extra_of, 0) - extra_of
+    later = within // max(size, 1)  # 0: the first block
+    block_of = torch.where(later == 0, here, extra_first[here] + later - 1)
+    slot = block_of * size + within % max(size, 1)
+    n_blocks = local + int(extra_of.sum())
     buffer = rows.new_zeros(n_blocks * size, x.shape[1]).index_add(0, slot, rows)
-    experts = torch.repeat_interleave(torch.arange(local, device=x.device), blocks_of)
+    ids = torch.arange(local, device=x.device)
+    experts = torch.cat([ids, torch.repeat_interleave(ids, extra_of)])
     plan = Plan(tokens, token, weight, slot, send, recv, dropped, axis, mesh, load, experts)
     _stats.record(plan, _batch_axes(batch, axis) if mesh is not None else ())
     return buffer.view(n_blocks, size, x.shape[1]), plan
@@ -193,8 +194,10 @@ scale with ``d · f``): measured on CPU, forward and backward, d=512, f=1024."""
 
 def _block_size(block: int | str, counts: torch.Tensor) -> int:
     """``block``, or for ``"auto"`` the size that costs least: the padded
-    layout (the fullest's slots for each expert, no gather), or blocks of
-    ``fullest / j`` rows, each block's rows plus its weights' gather."""
+    layout (``fullest`` rows for every expert), or ``fullest / j`` rows for
+    every expert plus extra blocks for the fuller ones, each extra block's
+    rows and its weights' gather (``BLOCK_COST_ROWS``) — blocks where they
+    save at least a tenth."""
     if block != "auto":
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ShardingError(
@@ -207,10 +210,12 @@ def _block_size(block: int | str, counts: torch.Tensor) -> int:
         size = -(-fullest // j)
         if size < 1:
             break
-        blocks = int(((counts + size - 1) // size).sum())
-        if blocks * (size + BLOCK_COST_ROWS) < cost:
-            best, cost = size, blocks * (size + BLOCK_COST_ROWS)
-    return best
+        extra = int(((counts + size - 1) // size - 1).clamp(min=0).sum())
+        total = counts.numel() * size + extra * (size + BLOCK_COST_ROWS)
+        if total < cost:
+            best, cost = size, total
+    # blocks only where they save a tenth: the cost model is rough, padding is simple
+    return best if cost < 0.9 * counts.numel() * fullest else fullest
 
 
 def _batch_axes(batch: str | Sequence[str] | None, axis: str | None) -> tuple[str, ...]:
@@ -316,20 +321,21 @@ def swiglu_experts(
     if activation is None:
         raise ShardingError(f"swiglu_experts: act is 'silu', 'gelu' or 'relu'; got {act!r}")
     n = gate_up.shape[0]
-    if (
-        experts is not None
-        and experts.numel() == n
-        and torch.equal(experts, torch.arange(n, device=experts.device))
-    ):
-        experts = None  # one block per expert, in order: the weights as they are
-    if experts is None:
-        if buffer.shape[0] != gate_up.shape[0]:
-            raise ShardingError(
-                f"swiglu_experts: a buffer of {buffer.shape[0]} blocks for {gate_up.shape[0]} "
-                "experts; a buffer laid out in blocks (dispatch(..., block=...)) runs with "
-                "experts=plan.experts"
-            )
-        gate, up = torch.bmm(buffer, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(activation(gate) * up, down.transpose(1, 2))
-    gate, up = _GroupedMM.apply(buffer, gate_up, experts).chunk(2, dim=-1)
-    return _GroupedMM.apply(activation(gate) * up, down, experts)
+    if experts is None and buffer.shape[0] != n:
+        raise ShardingError(
+            f"swiglu_experts: a buffer of {buffer.shape[0]} blocks for {n} experts; a buffer "
+            "laid out in blocks (dispatch(..., block=...)) runs with experts=plan.experts"
+        )
+    gate, up = _expert_mm(buffer, gate_up, experts).chunk(2, dim=-1)
+    return _expert_mm(activation(gate) * up, down, experts)
+
+
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
+    """Each block of ``x`` times its expert's ``w``ᵀ: the first ``E`` blocks
+    (one per expert, in order, as :func:`dispatch` lays them) against the
+    weights as they are, the extra blocks against their gathered weights."""
+    n = w.shape[0]
+    first = torch.bmm(x[:n], w.transpose(1, 2))
+    if experts is None or experts.numel() == n:
+        return first
+    return torch.cat([first, _GroupedMM.apply(x[n:], w, experts[n:])])
