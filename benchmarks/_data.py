@@ -5,6 +5,7 @@ steps, peak memory."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -15,7 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MICRO_BATCH", "batch", "load_tokens", "peak_rss_mib", "rss_per_rank", "timed_steps"]
+__all__ = [
+    "MICRO_BATCH", "batch", "interleaved", "load_tokens", "peak_rss_mib", "rss_per_rank",
+    "threads_per_rank", "timed_steps",
+]  # fmt: skip
 
 MICRO_BATCH = {"tiny": 8, "small": 8, "bench": 4, "wide": 2}  # sequences per rank and step
 
@@ -103,3 +107,25 @@ def rss_per_rank(start_mib: float) -> dict[str, float | list[float]]:
         "peak_rss_mib_per_rank": [peak for _, peak in rss],
         "start_rss_mib_per_rank": [start for start, _ in rss],
     }
+
+
+def threads_per_rank(nproc: int) -> int:
+    """This host's cores shared out among ``nproc`` ranks (at least one each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // nproc)
+
+
+def interleaved(
+    modes: list[str], repeats: int, run_once: Callable[[str, int], dict], once: str = ""
+) -> list[dict]:
+    """Every mode once per repeat, in order (A B C, A B C, …: the host is
+    noisy), each row printed as a JSON line as it comes; a mode whose row
+    holds the key ``once`` (a refusal) runs in the first repeat only."""
+    rows: list[dict] = []
+    for repeat in range(repeats):
+        for mode in modes:
+            if once and any(r["mode"] == mode and once in r for r in rows):
+                continue
+            rows.append(run_once(mode, repeat))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows

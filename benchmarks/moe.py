@@ -49,6 +49,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -62,10 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _data import (
     MICRO_BATCH,
     batch,
+    interleaved,
     launch_run,
     load_tokens,
     peak_rss_mib,
     rss_per_rank,
+    threads_per_rank,
     timed_steps,
 )
 from gpt import GPT, PRESETS, GPTConfig, _AuxLoss, param_count
@@ -79,6 +82,7 @@ from train import (
     _deepspeed_missing,
     _loss,
     _shardax_step,
+    add_ratios,
 )
 
 import shardax as sx
@@ -306,11 +310,7 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
             "repeats": len(ok),
         }
     for stats in per_mode.values():
-        for anchor in ANCHORS:
-            if anchor in per_mode:
-                base = per_mode[anchor]
-                stats[f"tokens_per_s_vs_{anchor}"] = stats["tokens_per_s"] / base["tokens_per_s"]
-                stats[f"peak_rss_vs_{anchor}"] = stats["peak_rss_mib"] / base["peak_rss_mib"]
+        add_ratios(stats, per_mode, ANCHORS)
     summary: dict = {"summary": per_mode, "refused": refused, "skipped": skipped}
     failed = sorted({r["mode"] for r in rows if "error" in r})
     if failed:
@@ -385,8 +385,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.ep = args.ep or args.nproc
     args.micro = args.micro or MICRO_BATCH[args.preset]
     if args.threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        args.threads = max(1, (cores or 1) // args.nproc)
+        args.threads = threads_per_rank(args.nproc)
     if args.nproc % args.ep or args.experts % args.ep:
         parser.error(
             f"--ep {args.ep} must divide --nproc {args.nproc} and --experts {args.experts}"
@@ -433,14 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skipped": skipped,
     }  # fmt: skip
     print(json.dumps(header), flush=True)
-    rows = []
-    for repeat in range(args.repeats):
-        for mode in modes:
-            if repeat and any(r["mode"] == mode and "refused" in r for r in rows):
-                continue  # a refusal is not noise: once is enough
-            row = run_once(mode, repeat, args)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    # a refusal is not noise: once is enough
+    rows = interleaved(modes, args.repeats, partial(run_once, args=args), once="refused")
     summary = summarize(rows, modes, skipped)
     print(json.dumps(summary), flush=True)
     print_table(summary)

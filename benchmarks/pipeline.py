@@ -85,10 +85,12 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from _data import (  # noqa: E402  (beside this file, as train.py)
     batch,
+    interleaved,
     launch_run,
     load_tokens,
     peak_rss_mib,
     rss_per_rank,
+    threads_per_rank,
     timed_steps,
 )
 from gpt import GPT, PRESETS, GPTConfig, param_count  # noqa: E402
@@ -439,8 +441,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.smoke:  # 8 tiny layers: 2 per stage where a rank holds 2 stages, else 4
         args.preset, args.micro_batches, args.warmup, args.steps, args.repeats = "tiny", 4, 1, 2, 1
     if args.threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        args.threads = max(1, (cores or 1) // args.nproc)
+        args.threads = threads_per_rank(args.nproc)
     for name in ["nproc", "layers", "micro_batches", "steps", "repeats", "threads"]:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -491,11 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "modes": modes,
     }
     print(json.dumps(header), flush=True)
-    rows = []
-    for repeat in range(args.repeats):
-        for mode in modes:
-            rows.append(run_once(mode, repeat, args))
-            print(json.dumps(rows[-1]), flush=True)
+    rows = interleaved(modes, args.repeats, partial(run_once, args=args))
+
     summary = summarize_vs_ddp(rows, modes)
     print(json.dumps(summary), flush=True)
     print_table(summary)

@@ -98,9 +98,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 from _data import (  # noqa: E402  (beside this file)
     MICRO_BATCH,
     batch,
+    interleaved,
     launch_run,
     load_tokens,
     peak_rss_mib,
+    threads_per_rank,
     timed_steps,
 )
 from gpt import GPT, PRESETS, GPTConfig, param_count  # noqa: E402
@@ -498,11 +500,7 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
     for stats in per_mode.values():
         if "limit" in per_mode:  # the fraction of the compute-only limit
             stats["of_limit"] = stats["tokens_per_s"] / per_mode["limit"]["tokens_per_s"]
-        for anchor in ANCHORS:
-            if anchor in per_mode:
-                base = per_mode[anchor]
-                stats[f"tokens_per_s_vs_{anchor}"] = stats["tokens_per_s"] / base["tokens_per_s"]
-                stats[f"peak_rss_vs_{anchor}"] = stats["peak_rss_mib"] / base["peak_rss_mib"]
+        add_ratios(stats, per_mode, ANCHORS)
     summary: dict = {"summary": per_mode, "skipped": skipped}
     costs = {}  # the signature check's share of a step, per backend
     pairs = [("shardax3", "shardax3-unchecked"), ("shardax3-gloo", "shardax3-gloo-unchecked")]
@@ -529,6 +527,15 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
                 f"every mode starts from the same weights and batch: {firsts}"
             )
     return summary
+
+
+def add_ratios(stats: dict, per_mode: dict[str, dict], anchors: Sequence[str]) -> None:
+    """``stats``' tokens/s and peak RSS over each anchor's that ran."""
+    for anchor in anchors:
+        if anchor in per_mode:
+            base = per_mode[anchor]
+            stats[f"tokens_per_s_vs_{anchor}"] = stats["tokens_per_s"] / base["tokens_per_s"]
+            stats[f"peak_rss_vs_{anchor}"] = stats["peak_rss_mib"] / base["peak_rss_mib"]
 
 
 def print_table(summary: dict, file=sys.stderr) -> None:
@@ -589,8 +596,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.micro is None:
         args.micro = MICRO_BATCH[args.preset]
     if args.threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        args.threads = max(1, (cores or 1) // args.nproc)
+        args.threads = threads_per_rank(args.nproc)
     for name in ["nproc", "steps", "repeats", "micro", "threads"]:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('micro', 'micro-batch')} must be at least 1")
@@ -645,12 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(header), flush=True)
     for mode, reason in skipped.items():
         print(f"skipping {mode}: {reason}", file=sys.stderr, flush=True)
-    rows = []
-    for repeat in range(args.repeats):
-        for mode in modes:
-            row = run_once(mode, repeat, args)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = interleaved(modes, args.repeats, partial(run_once, args=args))
     summary = summarize(rows, modes, skipped)
     print(json.dumps(summary), flush=True)
     print_table(summary)
