@@ -493,7 +493,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(json.dumps(header), flush=True)
     rows = interleaved(modes, args.repeats, partial(run_once, args=args))
-
     summary = summarize_vs_ddp(rows, modes)
     print(json.dumps(summary), flush=True)
     print_table(summary)
