@@ -106,7 +106,9 @@ def test_check_parity_passes_the_example_gpt_under_zero_megatron_and_ulysses(sha
     ("shape", "zero"),
     [
         pytest.param({"ep": 2}, 0, id="ep2"),
-        pytest.param({"ep": 2, "tp": 2}, 0, id="ep2xtp2"),
+        pytest.param(  # ep2xtp2 training: tests/moe/test_hf_experts.py (default run)
+            {"ep": 2, "tp": 2}, 0, id="ep2xtp2", marks=pytest.mark.slow
+        ),
         pytest.param({"dp": 2, "ep": 2}, 3, id="dp2xep2-zero3", marks=pytest.mark.slow),
     ],
 )
