@@ -190,6 +190,13 @@ def test_blocks_give_the_padded_layouts_outputs_and_gradients(block):
             r"needs the mesh",
         ),
         (
+            lambda: moe.dispatch(
+                torch.zeros(2, 4), moe.route(torch.zeros(2, 3), 1), capacity=2, capacity_factor=1.0
+            ),
+            r"give capacity \(slots\) or capacity_factor, not both",
+        ),
+        (lambda: sx.rules.experts("ep", tp="ep"), r"tp is another axis than the experts' 'ep'"),
+        (
             lambda: moe.dispatch(torch.zeros(2, 4), moe.route(torch.zeros(2, 3), 1), block=0),
             r"block is a positive number of rows or 'auto'; got 0",
         ),

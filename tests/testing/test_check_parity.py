@@ -143,3 +143,21 @@ def test_check_parity_refuses_a_batch_it_cannot_split():
         sx.testing.check_parity(step, params, torch.ones(2, 4), mesh)
     with pytest.raises(sx.ShardingError, match=r"batch\[0\] of shape \(\) cannot be split"):
         sx.testing.check_parity(step, params, (torch.tensor(1.0),), mesh)
+
+
+def test_check_parity_names_a_gradient_on_one_side_only():
+    mesh = sx.Mesh({"dp": 1})
+    model = torch.nn.Linear(4, 2)
+    params = sx.shard(sx.params_of(model), mesh, sx.rules.zero(1, "dp"))
+    grad_fn = sx.value_and_grad(lambda p, x: sx.apply(model, p, x).sum())
+
+    def forgets_the_bias(p, x):  # a step that drops a gradient
+        loss, grads = grad_fn(p, x)
+        return loss, {"weight": grads["weight"]}
+
+    report = sx.testing.check_parity(
+        forgets_the_bias, params, (torch.ones(2, 4),), mesh, reference=grad_fn
+    )
+    assert not report.ok and report.missing == ("bias",)
+    with pytest.raises(sx.testing.ParityError, match=r"MISSING bias: a gradient on one side only"):
+        report.check()
