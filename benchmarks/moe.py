@@ -83,6 +83,7 @@ from train import (
     _loss,
     _shardax_step,
     add_ratios,
+    medians,
 )
 
 import shardax as sx
@@ -300,15 +301,8 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
             continue
         if not ok:
             continue
-        per_mode[mode] = {
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
-            "step_s": statistics.median(r["step_s"] for r in ok),
-            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in ok),
-            "dropped_fraction": statistics.median(r["dropped_fraction"] for r in ok),
-            "first_loss": ok[0]["losses"][0],
-            "last_loss": statistics.median(r["losses"][-1] for r in ok),
-            "repeats": len(ok),
-        }
+        per_mode[mode] = medians(ok)
+        per_mode[mode]["dropped_fraction"] = statistics.median(r["dropped_fraction"] for r in ok)
     for stats in per_mode.values():
         add_ratios(stats, per_mode, ANCHORS)
     summary: dict = {"summary": per_mode, "refused": refused, "skipped": skipped}

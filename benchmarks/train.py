@@ -488,15 +488,9 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
         ok = [r for r in rows if r["mode"] == mode and "error" not in r]
         if not ok:
             continue
-        per_mode[mode] = {
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
-            "step_s": statistics.median(r["step_s"] for r in ok),
-            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in ok),
-            "first_loss": ok[0]["losses"][0],
-            "last_loss": statistics.median(r["losses"][-1] for r in ok),
-            **({"megatron": ok[0]["megatron"]} if "megatron" in ok[0] else {}),
-            "repeats": len(ok),
-        }
+        per_mode[mode] = medians(ok)
+        if "megatron" in ok[0]:
+            per_mode[mode]["megatron"] = ok[0]["megatron"]
     for stats in per_mode.values():
         if "limit" in per_mode:  # the fraction of the compute-only limit
             stats["of_limit"] = stats["tokens_per_s"] / per_mode["limit"]["tokens_per_s"]
@@ -527,6 +521,19 @@ def summarize(rows: list[dict], modes: Sequence[str], skipped: dict[str, str]) -
                 f"every mode starts from the same weights and batch: {firsts}"
             )
     return summary
+
+
+def medians(ok: list[dict]) -> dict:
+    """One mode's successful runs summed up: medians of tokens/s, step time,
+    peak RSS and the last loss, the first run's first loss, the count."""
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
+        "step_s": statistics.median(r["step_s"] for r in ok),
+        "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in ok),
+        "first_loss": ok[0]["losses"][0],
+        "last_loss": statistics.median(r["losses"][-1] for r in ok),
+        "repeats": len(ok),
+    }
 
 
 def add_ratios(stats: dict, per_mode: dict[str, dict], anchors: Sequence[str]) -> None:
