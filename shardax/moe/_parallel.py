@@ -18,6 +18,8 @@ from ._router import Routing
 
 __all__ = ["expert_parallel"]
 
+_NEEDS = ("gate_up_proj", "down_proj", "num_experts", "act_fn")
+
 
 def expert_parallel(
     axis: str | None = "ep",
@@ -55,6 +57,15 @@ def expert_parallel(
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
+        missing = [a for a in _NEEDS if not hasattr(module, a)]
+        if missing:
+            raise ShardingError(
+                f"expert_parallel over {axis!r}: {type(module).__name__} has no "
+                f"{', '.join(missing)}; it runs experts stacked as Hugging Face's Mixtral and "
+                f"Qwen2-MoE store them ({', '.join(_NEEDS)}, called with the hidden states and "
+                "each token's chosen experts and weights): match rules.experts(module=...) to "
+                "such a module"
+            )
         gate_up, down = module.gate_up_proj, module.down_proj
         n, total = (1 if axis is None else mesh.size(axis)), int(module.num_experts)
         if gate_up.shape[0] * n != total or down.shape[0] * n != total:

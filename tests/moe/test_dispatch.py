@@ -220,3 +220,17 @@ def test_auto_blocks_where_the_padding_costs_more_than_the_gathers():
     assert size < 922 and 4 * size + extra * (size + BLOCK_COST_ROWS) < 0.9 * 4 * 922
     assert _block_size("auto", torch.tensor([512, 512, 358, 256])) == 512  # capped: padded
     assert _block_size("auto", torch.tensor([0, 0])) == 0  # nothing here
+
+
+def test_the_experts_forward_names_what_a_module_lacks():
+    mesh = sx.Mesh({"ep": 1})
+    forward = moe.expert_parallel("ep")
+    per_expert = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))  # not stacked
+    with pytest.raises(sx.ShardingError, match=r"ModuleList has no gate_up_proj, down_proj"):
+        forward(
+            per_expert,
+            mesh,
+            torch.zeros(3, 4),
+            torch.zeros(3, 1, dtype=torch.long),
+            torch.ones(3, 1),
+        )
