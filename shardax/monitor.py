@@ -188,8 +188,13 @@ class _TensorBoard(_Writer):
 
     def write(self, record: dict[str, Any]) -> None:
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key == "step" or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, record["step"])
+            elif key == "expert_load":  # one curve per expert: its share of the pairs
+                for i, share in enumerate(value):
+                    self.writer.add_scalar(f"expert_load/{i}", share, record["step"])
 
     def write_comm(self, step: int, rows: list[dict[str, Any]]) -> None:
         for r in rows:

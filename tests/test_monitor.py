@@ -136,9 +136,16 @@ def test_tensorboard_writer(tmp_path):
         return
     mon = Monitor(writers=("tensorboard",), dir=tmp_path, log_every=1)
     with mon.step(1):
-        mon.log(loss=1.0)
+        mon.log(loss=1.0, expert_load=[0.75, 0.25])  # as Monitor(experts=True) records it
     mon.close()
     assert list(tmp_path.glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "expert_load/0", "expert_load/1"} <= tags, tags
+    assert events.Scalars("expert_load/1")[0].value == 0.25
 
 
 def test_bad_input_is_a_clear_error():
