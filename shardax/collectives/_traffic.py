@@ -156,14 +156,18 @@ class _Counting:
         self._add(_nbytes(x))
         return self._backend.reduce_scatter(out, x, group)
 
-    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, *args: Any) -> Any:
-        if len(args) == 3:  # uneven (out_splits, in_splits, group): what goes to the others
-            in_splits, me = args[1], self._group.index
-            others = (sum(in_splits) - in_splits[me]) * x.element_size()
-            self._record.add(self._op, tuple(self._group.axes), _nbytes(x), others)
-        else:
-            self._add(_nbytes(x))
-        return self._backend.all_to_all(out, x, *args)
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        out_splits: Sequence[int],
+        in_splits: Sequence[int],
+        group: Group,
+    ) -> Any:
+        # the wire: what goes to the other members ((n-1)/n of an even one's input)
+        others = (sum(in_splits) - in_splits[self._group.index]) * x.element_size()
+        self._record.add(self._op, tuple(self._group.axes), _nbytes(x), others)
+        return self._backend.all_to_all(out, x, out_splits, in_splits, group)
 
     def broadcast(self, x: torch.Tensor, root: int, group: Group) -> Any:
         self._add(_nbytes(x))

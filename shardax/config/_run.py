@@ -97,20 +97,16 @@ class RunConfig:
                     f"{key} names mesh axis {axis!r}{hint}, but the mesh {self.mesh} has axes "
                     f"{axes}; add it to mesh or name one of those"
                 )
-        used = {
-            p.zero_axis,
-            p.tp,
-            p.sp,
-            p.pp,
-            p.ep,
-        }  # the data axis splits the batch even at ZeRO-0
+        # the data axis splits the batch even at ZeRO-0
+        used = {p.zero_axis, p.tp, p.sp, p.pp, p.ep}
         idle = [a for a, n in self.mesh.items() if n != 1 and a not in used]
         if idle:
             raise ConfigError(
                 f"mesh axis {idle[0]!r} (size {self.mesh[idle[0]]}) of {self.mesh} is used by no "
                 f"preset: its ranks would only repeat each other's work. Name it as "
                 f"parallel.tp (tensor parallelism), parallel.sp (Ulysses), parallel.pp "
-                f"(pipeline) or parallel.ep (experts), make it the data axis (parallel.zero_axis), or give it size 1"
+                f"(pipeline) or parallel.ep (experts), make it the data axis "
+                f"(parallel.zero_axis), or give it size 1"
             )
         if p.pp is not None:
             _check_pipeline(self)
@@ -203,6 +199,11 @@ class RunConfig:
             return (p.zero_axis,)
         return tuple(a for a in (p.zero_axis, p.ep) if a in self.mesh)
 
+    @property
+    def _zero_axes(self) -> str | tuple[str, ...]:
+        """What ``rules.zero`` shards over: the data axis, or with experts every data axis."""
+        return self.data_axes if self.parallel.ep is not None else self.parallel.zero_axis
+
     def dp_size(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks: the size of the
         mesh's :attr:`data_axes` (1 for an axis the mesh lacks)."""
@@ -215,7 +216,7 @@ class RunConfig:
         from .. import rules
 
         p = self.parallel
-        out = rules.zero(p.zero, self.data_axes if p.ep is not None else p.zero_axis)
+        out = rules.zero(p.zero, self._zero_axes)
         extra = {} if names is None else {"names": names}
         if self.parallel.tp is not None:
             out = (
@@ -330,13 +331,12 @@ class RunConfig:
         mesh = self.abstract_mesh(world_size)
         batch = self.batch.resolve(self.dp_size(world_size))
         p, o, s = self.parallel, self.optimizer, self.schedule
-        presets = [f"rules.zero({p.zero}, {p.zero_axis!r})"]
+        presets = [f"rules.zero({p.zero}, {self._zero_axes!r})"]
         if p.tp:
             presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
         if p.sp:
             presets.append(f"rules.ulysses({p.sp!r})")
-        if p.ep:
-            presets[0] = f"rules.zero({p.zero}, {self.data_axes!r})"
+        if p.ep:  # first, as make_rules puts them
             presets.insert(0, f"rules.experts({p.ep!r}, tp={p.tp!r}, batch={self.data_axes!r})")
         lr = self.make_schedule()
         total = s.total_steps or self.steps
