@@ -243,10 +243,10 @@ class Experts(nn.Module):
         routing = moe.Routing(top_k_index, top_k_weights, torch.empty(0))
         buffer, plan = moe.dispatch(
             x, routing, capacity_factor=self.capacity_factor, num_experts=self.num_experts,
-            block="auto",
+            layout="rows",
         )  # fmt: skip
         y = moe.swiglu_experts(
-            buffer, self.gate_up_proj, self.down_proj, self.act_fn, experts=plan.experts
+            buffer, self.gate_up_proj, self.down_proj, self.act_fn, offsets=plan.offsets
         )
         return moe.combine(y, plan).view_as(hidden)
 

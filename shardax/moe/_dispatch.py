@@ -1,8 +1,10 @@
 """Dispatch and combine: tokens to their experts' buffers and back.
 
 :func:`dispatch` turns ``[tokens, d]`` and a :class:`~._router.Routing`
-into one buffer ``[local experts, slots, d]`` per rank — the tokens of
-each expert side by side, so that every expert runs as one batched matmul
+into one buffer per rank — ``[local experts, slots, d]``, the tokens of
+each expert side by side, padded to the fullest; or ``[rows, d]``, each
+expert's exact rows one after another (``layout="rows"``) — so that every
+expert runs in one batched matmul or one grouped GEMM
 (:func:`swiglu_experts`: no Python loop over experts) — and a
 :class:`Plan` of where each row came from; :func:`combine` runs the plan
 backwards and sums each token's expert outputs with their weights.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +54,7 @@ class Plan(NamedTuple):
     axis: str | None
     mesh: Mesh | None
     load: torch.Tensor  # [experts] pairs this rank routed to each, before capacity
-    experts: torch.Tensor  # [blocks] the local expert of each block of the buffer
+    offsets: torch.Tensor  # [local experts] int32: where each one's rows end in the rows layout
 
 
 def capacity_of(tokens: int, experts: int, k: int, factor: float) -> int:
@@ -75,19 +77,18 @@ def dispatch(
     batch: str | Sequence[str] | None = None,
     mesh: Mesh | None = None,
     num_experts: int | None = None,
-    block: int | str | None = None,
+    layout: str = "padded",
 ) -> tuple[torch.Tensor, Plan]:
-    """``x`` (``[tokens, d]``) laid out for the experts: a buffer
-    ``[local experts, slots, d]`` (zeros in unused slots) and its plan.
+    """``x`` (``[tokens, d]``) laid out for the experts, and its plan.
 
-    ``block``: blocks of that many rows instead — each expert's first
-    ``block`` rows in its own block, in expert order, then extra blocks for
-    the rows past them (:attr:`Plan.experts`: each block's expert) — so an
-    uneven load pads each expert to a block rather than every expert to
-    the fullest; ``"auto"``: whichever costs least, the padded layout or
-    blocks of ``fullest / j`` rows, an extra block's weight gather counted
-    as ``BLOCK_COST_ROWS`` rows. Run it with ``swiglu_experts(...,
-    experts=plan.experts)``.
+    ``layout="padded"``: a buffer ``[local experts, slots, d]``, each
+    expert's rows in its own block, zeros past them to the fullest expert's
+    count — the shape an experts module of your own batches over.
+    ``layout="rows"``: ``[rows, d]``, each local expert's exact rows one
+    after another, the expert ``i``'s ending at ``plan.offsets[i]`` — no
+    padding, for a grouped GEMM (``swiglu_experts(...,
+    offsets=plan.offsets)``): an uneven load costs its rows, not the
+    fullest expert's count for every expert.
 
     ``axis``: the mesh axis the experts are split over (``mesh``'s); None:
     every expert here. ``capacity``: at most that many pairs per expert, or
@@ -108,9 +109,9 @@ def dispatch(
     ([[0.0, 2.0], [1.0, 0.0]], 0, [2, 1])
     >>> dispatch(torch.arange(3.0)[:, None], r, capacity=1)[1].dropped
     1
-    >>> blocks, plan = dispatch(torch.arange(3.0)[:, None], r, block=1)
-    >>> blocks[..., 0].tolist(), plan.experts.tolist()
-    ([[0.0], [1.0], [2.0]], [0, 1, 0])
+    >>> rows, plan = dispatch(torch.arange(3.0)[:, None], r, layout="rows")
+    >>> rows[:, 0].tolist(), plan.offsets.tolist()
+    ([0.0, 2.0, 1.0], [2, 3])
     """
     if x.dim() != 2 or routing.experts.shape[0] != x.shape[0]:
         raise ShardingError(
@@ -119,6 +120,8 @@ def dispatch(
         )
     if capacity is not None and capacity_factor is not None:
         raise ShardingError("dispatch: give capacity (slots) or capacity_factor, not both")
+    if layout not in ("padded", "rows"):
+        raise ShardingError(f"dispatch: layout is 'padded' or 'rows'; got {layout!r}")
     if (axis is not None or batch is not None) and mesh is None:
         raise ShardingError(
             "dispatch(axis=..., batch=...) needs the mesh: dispatch(..., mesh=mesh)"
@@ -165,57 +168,24 @@ def dispatch(
         local_counts = got.sum(0)
     else:
         here, local_counts = expert, counts
-    fullest = int(local_counts.max()) if local_counts.numel() else 0
-    size = fullest if block is None else _block_size(block, local_counts)
-    # every expert's first `size` rows in its own block (expert order); the rows of an
-    # expert past its first block in extra blocks after them (none when size is the fullest)
-    extra_of = ((local_counts + size - 1) // max(size, 1) - 1).clamp(min=0)
+    # each row's place among its expert's rows, the experts in order
     here_sorted, by_expert = torch.sort(here, stable=True)
-    starts = torch.cumsum(local_counts, 0) - local_counts
+    offsets = torch.cumsum(local_counts, 0)
+    starts = offsets - local_counts
     within = torch.empty_like(here)
     within[by_expert] = torch.arange(here.numel(), device=x.device) - starts[here_sorted]
-    extra_first = local + torch.cumsum(extra_of, 0) - extra_of
-    later = within // max(size, 1)  # 0: the first block
-    block_of = torch.where(later == 0, here, extra_first[here] + later - 1)
-    slot = block_of * size + within % max(size, 1)
-    n_blocks = local + int(extra_of.sum())
-    buffer = rows.new_zeros(n_blocks * size, x.shape[1]).index_add(0, slot, rows)
-    ids = torch.arange(local, device=x.device)
-    experts = torch.cat([ids, torch.repeat_interleave(ids, extra_of)])
-    plan = Plan(tokens, token, weight, slot, send, recv, dropped, axis, mesh, load, experts)
+    if layout == "rows":
+        slot, shape = starts[here] + within, (here.numel(), x.shape[1])
+    else:
+        fullest = int(local_counts.max()) if local_counts.numel() else 0
+        slot, shape = here * fullest + within, (local, fullest, x.shape[1])
+    buffer = rows.new_zeros(math.prod(shape[:-1]), x.shape[1]).index_add(0, slot, rows)
+    plan = Plan(
+        tokens, token, weight, slot, send, recv, dropped, axis, mesh, load,
+        offsets.to(torch.int32),
+    )  # fmt: skip
     _stats.record(plan, _batch_axes(batch, axis) if mesh is not None else ())
-    return buffer.view(n_blocks, size, x.shape[1]), plan
-
-
-BLOCK_COST_ROWS = 64
-"""What gathering one block's weights costs, in rows of expert compute (both
-scale with ``d · f``): measured on CPU, forward and backward, d=512, f=1024."""
-
-
-def _block_size(block: int | str, counts: torch.Tensor) -> int:
-    """``block``, or for ``"auto"`` the size that costs least: the padded
-    layout (``fullest`` rows for every expert), or ``fullest / j`` rows for
-    every expert plus extra blocks for the fuller ones, each extra block's
-    rows and its weights' gather (``BLOCK_COST_ROWS``) — blocks where they
-    save at least a tenth."""
-    if block != "auto":
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ShardingError(
-                f"dispatch: block is a positive number of rows or 'auto'; got {block!r}"
-            )
-        return block
-    fullest = int(counts.max()) if counts.numel() else 0
-    best, cost = fullest, counts.numel() * fullest
-    for j in range(2, 9):
-        size = -(-fullest // j)
-        if size < 1:
-            break
-        extra = int(((counts + size - 1) // size - 1).clamp(min=0).sum())
-        total = counts.numel() * size + extra * (size + BLOCK_COST_ROWS)
-        if total < cost:
-            best, cost = size, total
-    # blocks only where they save a tenth: the cost model is rough, padding is simple
-    return best if cost < 0.9 * counts.numel() * fullest else fullest
+    return buffer.view(shape), plan
 
 
 def _batch_axes(batch: str | Sequence[str] | None, axis: str | None) -> tuple[str, ...]:
@@ -275,67 +245,79 @@ def combine(y: torch.Tensor, plan: Plan) -> torch.Tensor:
     return rows.new_zeros(plan.tokens, y.shape[-1]).index_add(0, plan.token, rows)
 
 
-class _GroupedMM(torch.autograd.Function):
-    """``x[b] @ w[experts[b]]ᵀ`` for every block ``b`` — one batched matmul
-    over the gathered weights, which backward gathers again rather than
-    keeping them (no copy of the experts' weights held for backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, experts)
-        return torch.bmm(x, w.index_select(0, experts).transpose(1, 2))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w, experts = ctx.saved_tensors
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.bmm(grad, w.index_select(0, experts))
-        if ctx.needs_input_grad[1]:
-            per_block = torch.bmm(grad.transpose(1, 2), x)
-            grad_w = torch.zeros_like(w).index_add_(0, experts, per_block)
-        return grad_x, grad_w, None
-
-
 def swiglu_experts(
     buffer: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: str | Callable[[torch.Tensor], torch.Tensor] = "silu",
     *,
-    experts: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every expert's gated MLP at once, as Mixtral's and Qwen2-MoE's
     experts compute it: ``down(act(gate(x)) · up(x))`` with the weights
     stacked as Hugging Face stores them — ``gate_up`` ``[experts, 2f, d]``
-    (gate rows first), ``down`` ``[experts, d, f]``. Two batched matmuls.
-    ``experts``: the expert of each block of a buffer laid out in blocks
-    (:attr:`Plan.experts`).
+    (gate rows first), ``down`` ``[experts, d, f]``. ``buffer``: padded,
+    ``[experts, slots, d]`` (two batched matmuls), or the rows layout
+    ``[rows, d]`` with ``offsets`` (:attr:`Plan.offsets`: two grouped
+    GEMMs, each expert's exact rows).
     ``act``: ``"silu"``, ``"gelu"``, ``"relu"`` or a function.
 
     >>> import torch
     >>> swiglu_experts(torch.ones(2, 3, 4), torch.ones(2, 10, 4), torch.ones(2, 4, 5)).shape
     torch.Size([2, 3, 4])
+    >>> offsets = torch.tensor([1, 3], dtype=torch.int32)  # expert 0: row 0; expert 1: rows 1, 2
+    >>> swiglu_experts(torch.ones(3, 4), torch.ones(2, 8, 4), torch.ones(2, 4, 4), offsets=offsets).shape
+    torch.Size([3, 4])
     """
     activation = act if callable(act) else {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}.get(act)
     if activation is None:
         raise ShardingError(f"swiglu_experts: act is 'silu', 'gelu' or 'relu'; got {act!r}")
     n = gate_up.shape[0]
-    if experts is None and buffer.shape[0] != n:
+    if buffer.dim() != (3 if offsets is None else 2) or (offsets is None and buffer.shape[0] != n):
         raise ShardingError(
-            f"swiglu_experts: a buffer of {buffer.shape[0]} blocks for {n} experts; a buffer "
-            "laid out in blocks (dispatch(..., block=...)) runs with experts=plan.experts"
+            f"swiglu_experts: a buffer of shape {tuple(buffer.shape)} for {n} experts"
+            f"{'' if offsets is None else ' with offsets'}; it takes the padded layout "
+            "[experts, slots, d], or the rows layout [rows, d] with offsets=plan.offsets "
+            "(dispatch(..., layout='rows'))"
         )
-    gate, up = _expert_mm(buffer, gate_up, experts).chunk(2, dim=-1)
-    return _expert_mm(activation(gate) * up, down, experts)
+    if offsets is not None and offsets.shape != (n,):
+        raise ShardingError(
+            f"swiglu_experts: offsets has shape {tuple(offsets.shape)}; it holds where each of "
+            f"the {n} experts' rows end (plan.offsets)"
+        )
+    gate, up = _expert_mm(buffer, gate_up, offsets).chunk(2, dim=-1)
+    return _expert_mm(activation(gate) * up, down, offsets)
 
 
-def _expert_mm(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
-    """Each block of ``x`` times its expert's ``w``ᵀ: the first ``E`` blocks
-    (one per expert, in order, as :func:`dispatch` lays them) against the
-    weights as they are, the extra blocks against their gathered weights."""
-    n = w.shape[0]
-    first = torch.bmm(x[:n], w.transpose(1, 2))
-    if experts is None or experts.numel() == n:
-        return first
-    return torch.cat([first, _GroupedMM.apply(x[n:], w, experts[n:])])
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """Each expert's rows of ``x`` times its ``w``ᵀ: a batched matmul over
+    a padded buffer, or a grouped GEMM over the rows layout (a padded
+    batched matmul where the grouped GEMM cannot run: see
+    :func:`_grouped_fits`)."""
+    if offsets is None:
+        return torch.bmm(x, w.transpose(1, 2))
+    if _grouped_fits(x, w):
+        return F.grouped_mm(x, w.transpose(1, 2), offs=offsets)
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+    expert = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), counts)
+    within = torch.arange(x.shape[0], device=x.device) - (offsets.long() - counts)[expert]
+    fullest = int(counts.max()) if counts.numel() else 0
+    padded = x.new_zeros(w.shape[0], fullest, x.shape[1]).index_put((expert, within), x)
+    return torch.bmm(padded, w.transpose(1, 2))[expert, within]
+
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs ``x [rows, d] @ w[e]ᵀ`` (``w``
+    ``[experts, n, d]``): on CPU (its CUDA kernels have not run here yet),
+    in fp32, bf16 or fp16, with every row of ``x``, of ``w`` and of the
+    output starting at a multiple of 16 bytes, as it requires."""
+    if not hasattr(F, "grouped_mm") or x.device.type != "cpu" or w.device != x.device:
+        return False
+    if x.dtype not in _GROUPED_DTYPES or w.dtype != x.dtype:
+        return False
+    align = 16 // x.element_size()
+    strides = (x.stride(0), w.stride(0), w.stride(1), w.shape[1])
+    return x.stride(1) == 1 and w.stride(2) == 1 and all(s % align == 0 for s in strides)

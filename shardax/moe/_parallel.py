@@ -83,10 +83,10 @@ def expert_parallel(
         buffer, plan = dispatch(
             x, routing, capacity_factor=factor, axis=axis, batch=batch,
             mesh=mesh if axis is not None or batch is not None else None, num_experts=total,
-            block="auto",
+            layout="rows",
         )  # fmt: skip
         y = combine(
-            swiglu_experts(buffer, gate_up, down, module.act_fn, experts=plan.experts), plan
+            swiglu_experts(buffer, gate_up, down, module.act_fn, offsets=plan.offsets), plan
         )
         return y.to(hidden_states.dtype).view_as(hidden_states)
 

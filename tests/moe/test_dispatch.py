@@ -30,7 +30,7 @@ def _mixtral_block(seed: int = 0):
     return block
 
 
-def _ours(block, x, *, axis=None, mesh=None, capacity=None):
+def _ours(block, x, *, axis=None, mesh=None, capacity=None, layout="padded"):
     """The block's forward by shardax.moe; on ``ep`` the rank's experts only."""
     routing = moe.route(torch.nn.functional.linear(x, block.gate.weight), K)
     gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
@@ -38,8 +38,9 @@ def _ours(block, x, *, axis=None, mesh=None, capacity=None):
         n, me = mesh.size(axis), mesh.axis_index(axis)
         mine = slice(me * E // n, (me + 1) * E // n)
         gate_up, down = gate_up[mine], down[mine]
-    buffer, plan = moe.dispatch(x, routing, capacity=capacity, axis=axis, mesh=mesh)
-    return moe.combine(moe.swiglu_experts(buffer, gate_up, down), plan), plan
+    buffer, plan = moe.dispatch(x, routing, capacity=capacity, axis=axis, mesh=mesh, layout=layout)
+    offsets = plan.offsets if layout == "rows" else None
+    return moe.combine(moe.swiglu_experts(buffer, gate_up, down, offsets=offsets), plan), plan
 
 
 def _cotangent(shape) -> torch.Tensor:
@@ -56,12 +57,13 @@ def _grads(block, x, out, cotangent=None):
     return grads
 
 
-def test_dropless_matches_hugging_face_mixtral_forward_and_backward():
+@pytest.mark.parametrize("layout", ["padded", "rows"])
+def test_dropless_matches_hugging_face_mixtral_forward_and_backward(layout):
     block = _mixtral_block()
     x = torch.randn(10, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
     want = block(x[None])[0]
     want_grads = _grads(block, x, want)
-    got, plan = _ours(block, x)
+    got, plan = _ours(block, x, layout=layout)
     got_grads = _grads(block, x, got)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert plan.dropped == 0
@@ -69,24 +71,25 @@ def test_dropless_matches_hugging_face_mixtral_forward_and_backward():
         torch.testing.assert_close(got_grads[k], g, rtol=1e-5, atol=1e-5, msg=k)
 
 
-def _on_ep(seed: int) -> dict:
+def _on_ep(seed: int, layout: str) -> dict:
     mesh = sx.Mesh({"ep": 2})
     me = mesh.axis_index("ep")
     block = _mixtral_block(seed)
     x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(1))[me].requires_grad_()
-    out, plan = _ours(block, x, axis="ep", mesh=mesh)
+    out, plan = _ours(block, x, axis="ep", mesh=mesh, layout=layout)
     grads = _grads(block, x, out, _cotangent(torch.Size([2, 7, D]))[me])  # the whole batch's
     return {"out": out.detach(), "grads": grads, "send": plan.send, "recv": plan.recv}
 
 
-def test_experts_split_over_ep_match_the_single_process_block():
+@pytest.mark.parametrize("layout", ["padded", "rows"])
+def test_experts_split_over_ep_match_the_single_process_block(layout):
     """Each rank routes its own 7 tokens; the experts' weight gradients on
     a rank are its experts' share of the whole batch's."""
     block = _mixtral_block(3)
     x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
     out = block(x)
     want = _grads(block, x, out)
-    got = run_ranks(_on_ep, 3)
+    got = run_ranks(_on_ep, 3, layout)
     torch.testing.assert_close(torch.stack([g["out"] for g in got]), out.detach())
     for me, g in enumerate(got):
         torch.testing.assert_close(g["grads"]["x"], want["x"][me], rtol=1e-5, atol=1e-5)
@@ -145,33 +148,37 @@ def test_routing_scores_bias_and_losses():
     assert moe.update_bias(torch.zeros(2), torch.tensor([3, 1]), 0.5).tolist() == [-0.5, 0.5]
 
 
-@pytest.mark.parametrize("block", [1, 3, "auto"])  # auto: the padded layout here
-def test_blocks_give_the_padded_layouts_outputs_and_gradients(block):
-    """``dispatch(block=...)``: each expert's rows in blocks, the weights of
-    each block gathered in the matmul — equal to one padded block per
-    expert, values and every gradient; imbalanced on purpose. ``"auto"``
-    picks blocks only where their weight gathers cost less than the
-    padding."""
+@pytest.mark.parametrize(
+    ("dtype", "d", "grouped"),
+    [(torch.float32, D, True), (torch.float64, D, False), (torch.float32, 6, False)],
+)
+def test_rows_layout_gives_the_padded_layouts_outputs_and_gradients(dtype, d, grouped):
+    """``layout="rows"``: each expert's exact rows, one grouped GEMM (fp32,
+    rows of 16-byte multiples), or a padded batched matmul where torch's
+    grouped GEMM cannot run (fp64; d=6: 24-byte rows) — equal to the padded
+    layout, values and every gradient, under an uneven load (expert 0
+    full, expert 3 empty)."""
+    from shardax.moe._dispatch import _grouped_fits
+
     torch.manual_seed(3)
-    x = torch.randn(12, D)
-    logits = torch.randn(12, E) + torch.tensor([3.0, 0.0, 0.0, -3.0])  # expert 0 full, 3 empty
-    gate_up, down = torch.randn(E, 2 * F_, D), torch.randn(E, D, F_)
+    x = torch.randn(12, d)
+    logits = torch.randn(12, E) + torch.tensor([3.0, 0.0, 0.0, -3.0])
+    gate_up, down = torch.randn(E, 2 * F_, d), torch.randn(E, d, F_)
+    assert _grouped_fits(x.to(dtype), gate_up.to(dtype)) is grouped
     results = []
-    for kind in (None, block):
-        leaves = [t.double().requires_grad_() for t in (x, logits, gate_up, down)]
-        routing = moe.route(leaves[1], K)
-        buffer, plan = moe.dispatch(leaves[0], routing, block=kind)
-        experts = None if kind is None else plan.experts
-        y = moe.combine(moe.swiglu_experts(buffer, *leaves[2:], experts=experts), plan)
-        (y * _cotangent(y.shape).double()).sum().backward()
+    for layout in ("padded", "rows"):
+        leaves = [t.to(dtype).requires_grad_() for t in (x, logits, gate_up, down)]
+        buffer, plan = moe.dispatch(leaves[0], moe.route(leaves[1], K), layout=layout)
+        offsets = plan.offsets if layout == "rows" else None
+        y = moe.combine(moe.swiglu_experts(buffer, *leaves[2:], offsets=offsets), plan)
+        (y * _cotangent(y.shape).to(dtype)).sum().backward()
         results.append((y, buffer.shape, [t.grad for t in leaves]))
-    (y0, padded, grads0), (y1, blocked, grads1) = results
+    (y0, padded, grads0), (y1, rows, grads1) = results
+    assert plan.offsets.tolist()[-1] == 12 * K and plan.offsets.diff().min() >= 0
+    assert rows == (12 * K, d) and padded[0] * padded[1] > 12 * K  # the padding it saves
     torch.testing.assert_close(y1, y0)
     for a, b in zip(grads1, grads0, strict=True):
         torch.testing.assert_close(a, b)
-    assert blocked[0] * blocked[1] <= padded[0] * padded[1]  # never more padding
-    if block != "auto":  # at 12 tokens a block's weight gather costs more than the padding
-        assert blocked[0] * blocked[1] < padded[0] * padded[1]
 
 
 @pytest.mark.parametrize(
@@ -197,29 +204,29 @@ def test_blocks_give_the_padded_layouts_outputs_and_gradients(block):
         ),
         (lambda: sx.rules.experts("ep", tp="ep"), r"tp is another axis than the experts' 'ep'"),
         (
-            lambda: moe.dispatch(torch.zeros(2, 4), moe.route(torch.zeros(2, 3), 1), block=0),
-            r"block is a positive number of rows or 'auto'; got 0",
+            lambda: moe.dispatch(torch.zeros(2, 4), moe.route(torch.zeros(2, 3), 1), layout="blocks"),
+            r"layout is 'padded' or 'rows'; got 'blocks'",
         ),
         (
             lambda: moe.swiglu_experts(torch.zeros(5, 2, 4), torch.zeros(3, 6, 4), torch.zeros(3, 4, 3)),
-            r"a buffer of 5 blocks for 3 experts.*experts=plan.experts",
+            r"a buffer of shape \(5, 2, 4\) for 3 experts.*offsets=plan.offsets",
+        ),
+        (
+            lambda: moe.swiglu_experts(torch.zeros(5, 4), torch.zeros(3, 6, 4), torch.zeros(3, 4, 3)),
+            r"a buffer of shape \(5, 4\) for 3 experts; it takes the padded layout",
+        ),
+        (
+            lambda: moe.swiglu_experts(
+                torch.zeros(5, 4), torch.zeros(3, 6, 4), torch.zeros(3, 4, 3),
+                offsets=torch.tensor([5], dtype=torch.int32),
+            ),
+            r"offsets has shape \(1,\); it holds where each of the 3 experts' rows end",
         ),
     ],
 )  # fmt: skip
 def test_bad_input_names_the_shapes(call, match):
     with pytest.raises(sx.ShardingError, match=match):
         call()
-
-
-def test_auto_blocks_where_the_padding_costs_more_than_the_gathers():
-    from shardax.moe._dispatch import BLOCK_COST_ROWS, _block_size
-
-    uneven = torch.tensor([922, 512, 358, 256])  # the mean 512: padding to 922 wastes 1640 rows
-    size = _block_size("auto", uneven)
-    extra = int(((uneven + size - 1) // size - 1).clamp(min=0).sum())
-    assert size < 922 and 4 * size + extra * (size + BLOCK_COST_ROWS) < 0.9 * 4 * 922
-    assert _block_size("auto", torch.tensor([512, 512, 358, 256])) == 512  # capped: padded
-    assert _block_size("auto", torch.tensor([0, 0])) == 0  # nothing here
 
 
 def test_the_experts_forward_names_what_a_module_lacks():
