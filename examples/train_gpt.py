@@ -241,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert-parallel ranks: an ep axis added to the mesh, each rank holding "
         "experts/ep experts of every layer (rules.experts)",
     )
+    parser.add_argument(
+        "--remat",
+        nargs="?",
+        const="save_nothing",
+        choices=["save_nothing", "save_matmuls"],
+        help="recompute each block's activations in backward instead of keeping them "
+        "(rules.remat; a bare --remat: save_nothing)",
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument(
@@ -317,6 +325,7 @@ CONFIG_FLAGS = {
     "keep": ("checkpoint", "keep"),
     "schedule": ("parallel", "pp_schedule"),
     "microbatches": ("parallel", "pp_micro_batches"),
+    "remat": ("memory", "remat"),
 }
 
 
@@ -680,6 +689,11 @@ def loss_record(directory: Path, rows: list[dict[str, Any]], start: int) -> list
     ]
 
 
+def _remat(run: sx.config.RunConfig) -> str:
+    """The remat rule the run adds, as it prints."""
+    return "; ".join(repr(r.remat) for r in run.make_rules().modules if r.remat is not None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     run = args.run
@@ -719,7 +733,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (" with sequence parallelism" if run.parallel.sequence_parallel else "")
         + (f"; {cfg.experts} experts, top-{cfg.top_k}" if cfg.experts else "")
         + (f", capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "")
-        + (f", split over {run.parallel.ep}" if run.parallel.ep else ""),
+        + (f", split over {run.parallel.ep}" if run.parallel.ep else "")
+        + (f"; blocks rematerialised ({_remat(run)})" if run.memory.remat else ""),
         f"unigram baseline (a model that ignores context): {train.unigram_entropy():.3f} nats/byte",
     )
 

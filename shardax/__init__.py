@@ -49,6 +49,7 @@ from .shard import PartitionSpec as PartitionSpec
 from .shard import Placement as Placement
 from .shard import Plan as Plan
 from .shard import Relayout as Relayout
+from .shard import Remat as Remat
 from .shard import Rule as Rule
 from .shard import Rules as Rules
 from .shard import Sharded as Sharded
@@ -63,6 +64,7 @@ from .shard import local_sizes as local_sizes
 from .shard import manual_seed as manual_seed
 from .shard import params_of as params_of
 from .shard import plan_transfer as plan_transfer
+from .shard import remat as remat
 from .shard import reshard as reshard
 from .shard import role_layout as role_layout
 from .shard import shard as shard
@@ -98,6 +100,7 @@ __all__ = [
     "P",
     "PartitionSpec",
     "Relayout",
+    "Remat",
     "Rule",
     "Rules",
     "ShardingError",
@@ -122,6 +125,7 @@ __all__ = [
     "pipeline",
     "params_of",
     "plan_transfer",
+    "remat",
     "reshard",
     "rules",
     "testing",

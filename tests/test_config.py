@@ -116,7 +116,7 @@ def test_defaults_come_from_the_classes_and_unknown_keys_are_errors():
     assert config == RunConfig()
     assert config.parallel.zero == 0 and config.mesh == {"dp": -1}
     for text, message in [
-        ("zero: 3", r"unknown key zero; the top level takes batch, checkpoint, mesh"),
+        ("zero: 3", r"unknown key zero; the top level takes batch, checkpoint, memory, mesh"),
         ("parallel: {zeros: 3}", r"unknown key parallel.zeros \(did you mean 'zero'\?\)"),
         ("parallel: {zero: 4}", r"ZeRO stage 0\.\.3; got 4"),
         ('optimizer: {type: "adamx"}', r"type is one of .*got 'adamx' \(did you mean 'adam'\?\)"),
@@ -124,6 +124,8 @@ def test_defaults_come_from_the_classes_and_unknown_keys_are_errors():
         ('mesh: {dp: "two"}', r"mesh.dp: an axis size is an integer"),
         ('monitor: {writers: ["stdout", "wandb"]}', r"writers is one of"),
         ("parallel: {sequence_parallel: true}", r"needs parallel.tp"),
+        ('memory: {remat: "save_all"}', r"memory.remat is one of .*got 'save_all'"),
+        ("memory: {remat_every: 0}", r"remat_every must be positive"),
         ("{ oops", r"not valid hjson"),
     ]:
         with pytest.raises(ConfigError, match=message):

@@ -26,6 +26,7 @@ from ._load import load_config as load_config
 from ._run import RunConfig as RunConfig
 from ._sections import BatchConfig as BatchConfig
 from ._sections import CheckpointConfig as CheckpointConfig
+from ._sections import MemoryConfig as MemoryConfig
 from ._sections import MonitorConfig as MonitorConfig
 from ._sections import OptimizerConfig as OptimizerConfig
 from ._sections import ParallelConfig as ParallelConfig
@@ -37,6 +38,7 @@ __all__ = [
     "BatchConfig",
     "CheckpointConfig",
     "ConfigError",
+    "MemoryConfig",
     "MonitorConfig",
     "OptimizerConfig",
     "ParallelConfig",

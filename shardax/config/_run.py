@@ -28,6 +28,7 @@ from ._sections import (
     _SECTIONS,
     BatchConfig,
     CheckpointConfig,
+    MemoryConfig,
     MonitorConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -69,6 +70,7 @@ class RunConfig:
     batch: BatchConfig = attrs.field(factory=lambda: BatchConfig(micro=8, accumulation=1))
     checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     monitor: MonitorConfig = attrs.field(factory=MonitorConfig)
+    memory: MemoryConfig = attrs.field(factory=MemoryConfig)
     steps: int = attrs.field(default=1000, converter=_as_int("steps"), validator=_positive)
     seed: int = attrs.field(default=0, converter=_as_int("seed"))
 
@@ -212,11 +214,13 @@ class RunConfig:
 
     def make_rules(self, names: Any = None) -> Any:
         """The rules the presets give: ``rules.zero`` (+ ``rules.experts``,
-        ``rules.megatron`` / ``rules.ulysses`` with ``names``)."""
+        ``rules.megatron`` / ``rules.ulysses`` with ``names``, ``rules.remat``)."""
         from .. import rules
 
-        p = self.parallel
+        p, m = self.parallel, self.memory
         out = rules.zero(p.zero, self._zero_axes)
+        if m.remat is not None:
+            out = out + rules.remat(m.remat_modules, m.remat, every=m.remat_every)
         extra = {} if names is None else {"names": names}
         if self.parallel.tp is not None:
             out = (

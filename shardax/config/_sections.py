@@ -1,5 +1,5 @@
 """The sections of a run config (``parallel``, ``optimizer``, ``schedule``,
-``precision``, ``batch``, ``checkpoint``, ``monitor``): frozen attrs values
+``precision``, ``batch``, ``checkpoint``, ``monitor``, ``memory``): frozen attrs values
 whose fields are the one source of defaults, and building one from a file's
 object of settings."""
 
@@ -245,6 +245,28 @@ class MonitorConfig:
             _in(WRITERS)(self, attrs.fields(MonitorConfig).writers, w)
 
 
+REMAT_POLICIES = ("save_nothing", "save_matmuls")
+
+
+@attrs.frozen
+class MemoryConfig:
+    """Memory for compute: ``remat`` — rematerialise the modules whose path
+    matches ``remat_modules`` (default: the blocks of the example GPT, of
+    Llama-family and of GPT-2 models) with that policy (``save_nothing``,
+    ``save_matmuls``; ``rules.remat``), every ``remat_every``-th one.
+    None: keep every activation."""
+
+    remat: str | None = attrs.field(
+        default=None,
+        converter=_optional(_as_str, "remat"),
+        validator=attrs.validators.optional(_in(REMAT_POLICIES)),
+    )
+    remat_modules: str = attrs.field(
+        default=r"(?:.*\.)?(?:blocks|layers|h)\.\d+", converter=_as_str("remat_modules")
+    )
+    remat_every: int = attrs.field(default=1, converter=_as_int("remat_every"), validator=_positive)
+
+
 _SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "optimizer": OptimizerConfig,
@@ -253,6 +275,7 @@ _SECTIONS: dict[str, type] = {
     "batch": BatchConfig,
     "checkpoint": CheckpointConfig,
     "monitor": MonitorConfig,
+    "memory": MemoryConfig,
 }
 _RENAMES = {("batch", "global"): "global_size"}  # a Python keyword in the file
 

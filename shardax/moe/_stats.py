@@ -15,6 +15,7 @@ import torch
 
 from .. import collectives as C
 from ..mesh._mesh import Mesh
+from ..shard._remat import recomputing
 
 if TYPE_CHECKING:
     from ._dispatch import Plan
@@ -60,9 +61,10 @@ _ACTIVE: contextvars.ContextVar[_Listener | None] = contextvars.ContextVar(
 
 
 def record(plan: Plan, batch: tuple[str, ...]) -> None:
-    """Report one dispatch to the listener, if any."""
+    """Report one dispatch to the listener, if any — once per forward: not
+    again when backward recomputes a rematerialised layer."""
     listener = _ACTIVE.get()
-    if listener is None:
+    if listener is None or recomputing():
         return
     listener.loads.append(plan.load.detach().long())
     listener.dropped.append(plan.dropped)

@@ -8,7 +8,8 @@ value between layouts with the collectives ``plan_transfer`` picks; ``shard``,
 paths to specs (``ShardOver`` adds ZeRO's splits, giving each parameter a
 ``Placement``); ``explain`` prints the plan. ``params_of``/``init_params``
 bring a module's parameters in, ``apply`` runs the module on them and
-``value_and_grad`` differentiates through it.
+``value_and_grad`` differentiates through it; ``remat`` (and the rule
+``rules.remat``) recomputes activations in backward instead of keeping them.
 """
 
 from ._api import gather as gather
@@ -33,6 +34,8 @@ from ._plan import Plan as Plan
 from ._plan import Step as Step
 from ._plan import plan_transfer as plan_transfer
 from ._random import manual_seed as manual_seed
+from ._remat import Remat as Remat
+from ._remat import remat as remat
 from ._sharded import Sharded as Sharded
 from ._spec import Blocks as Blocks
 from ._spec import NamedSharding as NamedSharding
@@ -56,6 +59,7 @@ __all__ = [
     "Placement",
     "Plan",
     "Relayout",
+    "Remat",
     "Rule",
     "Rules",
     "ShardOver",
@@ -71,6 +75,7 @@ __all__ = [
     "manual_seed",
     "params_of",
     "plan_transfer",
+    "remat",
     "reshard",
     "role_layout",
     "shard",

@@ -30,6 +30,7 @@ from ._matching import as_rules
 from ._modules import install
 from ._placement import role_layout
 from ._regather import Regather
+from ._remat import Recompute, applying
 from ._sharded import Sharded
 from ._transfer import Batch, transfer, transfer_many
 
@@ -292,18 +293,29 @@ def apply(
             f"apply(rules=...) takes Rules (or a Rule, or a list of them); got {type(rules).__name__}"
         )
     module_rules = bound.modules if bound is not None else _bound_modules(params)
-    uninstall = install(model, module_rules, mesh)
+    recompute = None
+    if any(r.remat is not None for r in module_rules):
+        recompute = Recompute(
+            plan,
+            lambda path: install(model, module_rules, mesh, under=path),
+            _needs_grad(tape),
+            prefetch,
+        )
+        if tape is not None:
+            tape.defer(recompute.close)
+    uninstall = install(model, module_rules, mesh, record=recompute.record if recompute else None)
     try:
         for unit in run.units[1:]:
             hooks.append(unit.module.register_forward_pre_hook(_pre(run, unit)))
             hooks.append(unit.module.register_forward_hook(_post(run, unit), always_call=True))
         run.enter(run.units[0])
         try:
-            if regather is not None:
-                with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+            with applying():
+                if regather is not None:
+                    with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+                        out = model(*args, **kwargs)
+                else:
                     out = model(*args, **kwargs)
-            else:
-                out = model(*args, **kwargs)
         except StopForward as stop:
             out = stop.value
         run.leave(run.units[0])
@@ -313,6 +325,14 @@ def apply(
         uninstall()
         run.close()
     return out
+
+
+def _needs_grad(tape: Any) -> Callable[[Any], bool]:
+    """Whether a parameter's value in the forward requires grad: lifted
+    onto the tape, or moved by the differentiable transfer."""
+    if tape is not None:
+        return lambda x: id(x) in tape.slots or bool(getattr(x, "requires_grad", False))
+    return lambda x: bool((x.local if isinstance(x, Sharded) else x).requires_grad)
 
 
 def _bound_modules(params: dict[str, Any]) -> tuple[Any, ...]:

@@ -14,6 +14,7 @@ sequence parallelism, split over the sequence (a ``psum_scatter``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -28,6 +29,7 @@ from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
 from ._random import Streams
+from ._remat import Remat, checkpointed
 from ._sharded import Sharded
 from ._spec import PartitionSpec, as_spec
 
@@ -113,9 +115,11 @@ class ModuleRule:
     ``axes`` — the regions a tensor-parallel axis splits — and the shared
     stream continues the same on every rank after it; ``rejoin=True``
     returns the enclosing region to the shared stream once the module has
-    run (its output is a replica again: a row-parallel linear's ``psum``).
-    Every matching rule applies; for each of inputs, output, forward and rng
-    the first matching rule that sets it wins.
+    run (its output is a replica again: a row-parallel linear's ``psum``);
+    ``remat``: the module's forward rematerialised (:class:`Remat`,
+    ``rules.remat``). Every matching rule applies; for each of inputs,
+    output, forward, rng and remat the first matching rule that sets it
+    wins.
 
     >>> from shardax import P
     >>> ModuleRule(r"blocks\\.\\d+\\.mlp\\.proj", output=Relayout(P(), P(), partial="tp"))
@@ -130,6 +134,7 @@ class ModuleRule:
     forward: Forward | None = attrs.field(default=None, kw_only=True)
     rng: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
     rejoin: bool = attrs.field(default=False, kw_only=True)
+    remat: Remat | None = attrs.field(default=None, kw_only=True)
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
 
     @_regex.default
@@ -150,6 +155,10 @@ class ModuleRule:
             raise ShardingError(f"ModuleRule output is a Relayout or None; got {self.output!r}")
         if self.forward is not None and not callable(self.forward):
             raise ShardingError(f"ModuleRule forward must be callable; got {self.forward!r}")
+        if self.remat is not None and not isinstance(self.remat, Remat):
+            raise ShardingError(
+                f"ModuleRule remat is a Remat (rules.remat makes one); got {self.remat!r}"
+            )
 
     def matches(self, path: str) -> bool:
         return self._regex.fullmatch(path) is not None
@@ -166,21 +175,37 @@ class ModuleRule:
             parts.append(f"rng={self.rng!r}")
         if self.rejoin:
             parts.append("rejoin=True")
+        if self.remat is not None:
+            parts.append(f"remat={self.remat!r}")
         return f"ModuleRule({', '.join(parts)})"
 
 
 def install(
-    model: nn.Module, rules: Sequence[ModuleRule], mesh: AbstractMesh | None
+    model: nn.Module,
+    rules: Sequence[ModuleRule],
+    mesh: AbstractMesh | None,
+    *,
+    under: str | None = None,
+    record: Callable[[str, nn.Module], Callable[[], Any]] | None = None,
 ) -> Callable[[], None]:
     """Hook ``rules`` onto the matching modules of ``model``; returns the
-    function that removes every hook and restores every forward."""
+    function that removes every hook and restores every forward.
+
+    ``under``: only the modules strictly inside that module (the
+    recomputation of a rematerialised one: no remat there). ``record(path,
+    module)``: what a rematerialised module's forward calls, each time it
+    runs, for the context its recomputation runs in (:func:`shardax.apply`
+    gathers its parameters again); without it, remat rules are refused."""
     undo: list[Callable[[], None]] = []
     if not rules:
         return lambda: None
     streams = Streams(mesh) if mesh is not None else None
+    seen: dict[int, int] = {}  # remat rule -> the modules it matched so far
+    rematerialised: list[str] = []
     for path, module in model.named_modules():
         matching = [r for r in rules if r.matches(path)]
-        if not matching:
+        inside = under is None or (path.startswith(f"{under}.") if under else bool(path))
+        if not matching or not inside:
             continue
         if mesh is None or streams is None:
             raise ShardingError(
@@ -197,7 +222,19 @@ def install(
         if (rule := first("output")) is not None:
             undo.append(module.register_forward_hook(_output(rule, mesh, path)).remove)
         if (rule := first("forward")) is not None:
-            undo.append(_override(module, rule.forward, mesh))
+            undo.append(_set_forward(module, _bound(rule.forward, module, mesh)))
+        if (rule := first("remat")) is not None and under is None:
+            count = seen[id(rule)] = seen.get(id(rule), -1) + 1
+            if count % rule.remat.every == 0:
+                if record is None:
+                    raise ShardingError(
+                        f"{rule!r} matches {path!r}: remat runs inside shardax.apply"
+                    )
+                rematerialised.append(path)
+                run = checkpointed(
+                    module.forward, rule.remat, module, functools.partial(record, path, module)
+                )
+                undo.append(_set_forward(module, run))
         if (rule := first("rng")) is not None:
             pre, post = streams.fork(rule.rng)
             undo.append(module.register_forward_pre_hook(pre, prepend=True).remove)
@@ -209,7 +246,39 @@ def install(
         for u in reversed(undo):
             u()
 
+    try:
+        _check_remat(model, rules, rematerialised)
+    except ShardingError:
+        remove()
+        raise
     return remove
+
+
+def _check_remat(model: nn.Module, rules: Sequence[ModuleRule], paths: list[str]) -> None:
+    """Refuse what a recomputation could not replay: a rematerialised
+    module inside another, or one holding a module that rejoins the shared
+    random stream of a region forked outside it (its recomputation would
+    not rejoin, and draw other dropout masks)."""
+    for outer in paths:
+        for path, _ in model.named_modules():
+            if not (path.startswith(f"{outer}.") if outer else bool(path)):
+                continue
+            tail = path[len(outer) + 1 :] if outer else path
+            if path in paths:
+                raise ShardingError(
+                    f"remat: {path!r} is rematerialised inside {outer!r}, which is too; remat one "
+                    "of them (rules.remat patterns that do not nest)"
+                )
+            if not any(r.rejoin and r.matches(path) for r in rules):
+                continue
+            steps = tail.split(".")
+            forks = [".".join(filter(None, [outer, *steps[: i + 1]])) for i in range(len(steps))]
+            if not any(r.rng and r.matches(f) for f in forks for r in rules):
+                raise ShardingError(
+                    f"remat: {outer!r} holds {path!r}, which rejoins the shared random stream of "
+                    "a region forked outside it: its recomputation could not replay the dropout "
+                    "masks. Remat the module that holds the whole region (the block)"
+                )
 
 
 def _parameter_names(module: nn.Module) -> list[str]:
@@ -251,14 +320,18 @@ def _output(rule: ModuleRule, mesh: AbstractMesh, path: str) -> Callable[..., An
     return hook
 
 
-def _override(module: nn.Module, forward: Forward, mesh: AbstractMesh) -> Callable[[], None]:
-    had = "forward" in module.__dict__
-    own = module.__dict__.get("forward")
-
+def _bound(forward: Forward, module: nn.Module, mesh: AbstractMesh) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         return forward(module, mesh, *args, **kwargs)
 
-    module.forward = run  # type: ignore[method-assign]
+    return run
+
+
+def _set_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
+    """``module.forward = forward``; returns what puts the old one back."""
+    had = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+    module.forward = forward  # type: ignore[method-assign]
 
     def restore() -> None:
         if had:

@@ -1,0 +1,422 @@
+"""Activation checkpointing (rematerialisation), as JAX's ``jax.checkpoint``:
+a region's activations are not kept for backward but computed again from
+its inputs when backward needs them, under a *policy* that says what is
+kept after all.
+
+Two forms. :func:`remat` wraps a function of tensors (its parameters among
+its arguments, or fixed). Inside :func:`shardax.apply`, a module is
+rematerialised by a rule — ``rules.remat(r"blocks\\.\\d+")``, a
+:class:`~shardax.rules.ModuleRule` with a :class:`Remat` — because its
+recomputation runs in backward, after ``apply`` has put the model's own
+parameters back: the rule's recomputation gathers the module's parameters
+again (ZeRO-3: the same gather its forward made, the module before it in
+forward order prefetched meanwhile), re-installs the module rules under it
+(tensor-parallel forwards and relayouts), and replays the random numbers
+the forward drew (torch's checkpoint restores the generator's state), so
+dropout masks are the same.
+
+The recomputation is torch's non-reentrant checkpoint: backward flows
+through the forward's own graph, the recomputed forward only supplies the
+tensors it saves — so parameter gradients reach
+:func:`shardax.value_and_grad`'s reducer as without remat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from ..collectives._agree import moving
+from ..errors import ShardingError
+from ._placement import role_layout
+from ._sharded import Sharded
+from ._transfer import Batch, transfer_many
+
+__all__ = ["POLICIES", "Recompute", "Remat", "applying", "checkpointed", "recomputing", "remat"]
+
+POLICIES = ("save_nothing", "save_matmuls", "save_names")
+"""What a rematerialised region keeps for backward: nothing but its inputs;
+the outputs of its matrix products (JAX's ``dots_saveable``: the expensive
+ops are not run again, the cheap elementwise ones are); or everything
+computed inside its submodules named by ``names`` (those are not run
+again, the rest is)."""
+
+_MATMULS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+)  # fmt: skip
+
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "shardax_recomputing", default=False
+)
+
+
+def recomputing() -> bool:
+    """Whether backward is recomputing a rematerialised region now — for
+    code with side effects beyond its outputs (statistics, counters) that
+    must happen once per forward, not again in backward."""
+    return _RECOMPUTING.get()
+
+
+def _policy(value: str) -> str:
+    if value not in POLICIES:
+        raise ShardingError(f"remat: policy is one of {', '.join(POLICIES)}; got {value!r}")
+    return value
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value)
+    for name in names:
+        try:
+            re.compile(name)
+        except (re.error, TypeError) as err:
+            raise ShardingError(
+                f"remat: names are regexes over submodule paths; {name!r}: {err}"
+            ) from None
+    return names
+
+
+@attrs.frozen(repr=False)
+class Remat:
+    """How a region is rematerialised: ``policy`` (one of :data:`POLICIES`),
+    ``names`` (for ``"save_names"``: regexes over the paths of the
+    region's submodules, relative to it, whose computation is kept) and
+    ``every`` (a rule rematerialises the 1st, (k+1)-th, (2k+1)-th … module
+    it matches: JAX's and Megatron's every-k-th block).
+
+    >>> Remat()
+    Remat('save_nothing')
+    >>> Remat("save_names", names=["attn"], every=2)
+    Remat('save_names', names=('attn',), every=2)
+    >>> Remat("save_names")
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ShardingError: remat: policy 'save_names' keeps the computation of the submodules named by names=(regexes over their paths, e.g. names=('attn',)); none given
+    """
+
+    policy: str = attrs.field(default="save_nothing", converter=_policy)
+    names: tuple[str, ...] = attrs.field(default=(), converter=_names, kw_only=True)
+    every: int = attrs.field(default=1, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.policy == "save_names" and not self.names:
+            raise ShardingError(
+                "remat: policy 'save_names' keeps the computation of the submodules named by "
+                "names=(regexes over their paths, e.g. names=('attn',)); none given"
+            )
+        if self.names and self.policy != "save_names":
+            raise ShardingError(
+                f"remat: names={self.names!r} are for policy 'save_names'; got {self.policy!r}"
+            )
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ShardingError(f"remat: every is a positive number of modules; got {self.every!r}")
+
+    def __repr__(self) -> str:
+        tail = f", names={self.names!r}" if self.names else ""
+        tail += f", every={self.every}" if self.every != 1 else ""
+        return f"Remat({self.policy!r}{tail})"
+
+    def _selective(
+        self, module: nn.Module | None
+    ) -> tuple[Callable[[], Any] | None, Callable[[], Any]]:
+        """``(context_fn, tracking)``: the ``context_fn`` torch's checkpoint
+        runs the region under (None: save nothing), and a context manager
+        both the forward and its recomputation run in — for
+        ``save_names``, the hooks that say when a named submodule runs."""
+        if self.policy == "save_nothing":
+            return None, contextlib.nullcontext
+        if self.policy == "save_matmuls":
+            return functools.partial(create_selective_checkpoint_contexts, _save_matmuls), (
+                contextlib.nullcontext
+            )
+        if module is None:
+            raise ShardingError("remat: policy 'save_names' names submodules; remat a module")
+        regexes = [re.compile(n) for n in self.names]
+        named = [m for p, m in module.named_modules() if p and any(r.fullmatch(p) for r in regexes)]
+        if not named:
+            subs = [p for p, _ in module.named_modules() if p]
+            raise ShardingError(
+                f"remat: names={self.names!r} match none of {type(module).__name__}'s "
+                f"submodules ({', '.join(subs[:8]) or 'it has none'})"
+            )
+        depth = [0]
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            keep = depth[0] and _computes(op)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        @contextmanager
+        def tracking() -> Iterator[None]:
+            def enter(*_: Any) -> None:
+                depth[0] += 1
+
+            def leave(*_: Any) -> None:
+                depth[0] -= 1
+
+            hooks = [h for m in named for h in (m.register_forward_pre_hook(enter),
+                     m.register_forward_hook(leave, always_call=True))]  # fmt: skip
+            try:
+                yield
+            finally:
+                for h in hooks:
+                    h.remove()
+
+        return functools.partial(create_selective_checkpoint_contexts, policy), tracking
+
+
+def _computes(op: Any) -> bool:
+    """Whether ``op``'s output is worth keeping and safe to: not a view,
+    not an in-place op, not a random draw or a fresh buffer (the one filled
+    in place next: a kept tensor must not change)."""
+    schema = op._schema
+    return not (
+        op.is_view
+        or schema.is_mutable
+        or torch.Tag.nondeterministic_seeded in op.tags
+        or schema.name.rpartition("::")[2] in _FRESH
+    )
+
+
+_FRESH = frozenset(
+    f"{name}{tail}"
+    for name in ("empty", "zeros", "ones", "full", "new_empty", "new_zeros", "new_ones", "new_full")
+    for tail in ("", "_like", "_strided")
+)
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    keep = op.overloadpacket in _MATMULS
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_APPLYING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardax_applying", default=False)
+
+
+@contextmanager
+def applying() -> Iterator[None]:
+    """Marks :func:`shardax.apply`'s forward: :func:`remat` refuses to run
+    inside it (the rule form gathers the parameters again)."""
+    token = _APPLYING.set(True)
+    try:
+        yield
+    finally:
+        _APPLYING.reset(token)
+
+
+def remat(fn: Callable[..., Any], policy: str = "save_nothing", *, names: Any = ()) -> Any:
+    """``fn`` rematerialised: called, it returns what ``fn`` returns, but
+    keeps for backward only its inputs (and what ``policy`` saves), and
+    runs ``fn`` again in backward to get the rest — random numbers (dropout)
+    replayed, so the recomputation equals the forward. ``policy``: one of
+    :data:`POLICIES`; ``names`` for ``"save_names"`` (``fn`` a module).
+
+    For a module inside :func:`shardax.apply`, use the rule
+    ``rules.remat(pattern, policy)`` instead: its recomputation gathers the
+    module's parameters again (this function refuses to run there).
+
+    >>> import torch, shardax as sx
+    >>> w = torch.ones(3, 3, requires_grad=True)
+    >>> layer = sx.remat(lambda x: torch.tanh(x @ w), "save_matmuls")
+    >>> layer(torch.ones(2, 3)).sum().backward()
+    >>> round(w.grad[0, 0].item(), 4)
+    0.0197
+    """
+    spec = Remat(policy, names=names)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _APPLYING.get():
+            raise ShardingError(
+                f"remat({getattr(fn, '__name__', type(fn).__name__)}) inside shardax.apply: its "
+                "recomputation would run after apply has put the model's own parameters back. "
+                "Remat the module with a rule instead: rules.remat(r'<its path regex>', "
+                f"{policy!r}) composed with the model's rules"
+            )
+        return checkpointed(fn, spec, fn if isinstance(fn, nn.Module) else None, None)(
+            *args, **kwargs
+        )
+
+    return run
+
+
+def checkpointed(
+    forward: Callable[..., Any],
+    spec: Remat,
+    module: nn.Module | None,
+    record: Callable[[], Callable[[], Any]] | None,
+) -> Callable[..., Any]:
+    """``forward`` under torch's non-reentrant checkpoint with ``spec``'s
+    policy. ``record()``, called with each forward, returns what makes the
+    context its recomputation runs in (:func:`shardax.apply`'s: the
+    parameters gathered again)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        args, kwargs = _without_cache(module, forward, args, kwargs)
+        restore = record() if record is not None else None
+        selective, tracking = spec._selective(module)
+
+        def contexts() -> tuple[Any, Any]:
+            if selective is None:
+                return contextlib.nullcontext(), _recomputation(restore, contextlib.nullcontext())
+            forward_context, recompute_context = selective()
+            return forward_context, _recomputation(restore, recompute_context)
+
+        def body(*a: Any, **k: Any) -> Any:
+            with tracking():
+                return forward(*a, **k)
+
+        return checkpoint(body, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    return run
+
+
+_CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+def _without_cache(
+    module: nn.Module | None,
+    forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A layer's key/value cache left out of its rematerialised forward
+    (passed by name or position), as Hugging Face's gradient checkpointing
+    does: the recomputation would append to the cache a second time and
+    attend over twice the keys."""
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    try:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    dropped = [k for k in _CACHES if bound.arguments.get(k) is not None]
+    if bound.arguments.get("use_cache"):
+        dropped.append("use_cache")
+    if not dropped:
+        return args, kwargs
+    warnings.warn(
+        f"remat: {type(module).__name__} is called with a key/value cache "
+        f"({', '.join(dropped)}), which its recomputation would fill twice; it runs without "
+        "one (call the model with use_cache=False to say so)",
+        UserWarning,
+        stacklevel=4,
+    )
+    for k in dropped:
+        bound.arguments[k] = False if k == "use_cache" else None
+    return bound.args, bound.kwargs
+
+
+@contextmanager
+def _recomputation(restore: Callable[[], Any] | None, inner: Any) -> Iterator[None]:
+    """What a recomputation runs in: :func:`recomputing` true, ``restore()``
+    entered first (its gathers are not the region's ops: outside the
+    selective checkpoint's ``inner`` context, which sees every op)."""
+    token = _RECOMPUTING.set(True)
+    try:
+        with restore() if restore is not None else contextlib.nullcontext(), inner:
+            yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+class Recompute:
+    """The context a rematerialised module of one :func:`shardax.apply`
+    call recomputes in: its parameters and buffers (every one of its
+    submodules', from the apply's units) gathered again to their compute
+    layouts and put in the modules, requiring grad as they did in the
+    forward; the module rules under it installed again (``reinstall``).
+    With ``prefetch``, recomputing one starts the gather of the one before
+    it in forward order, which backward reaches next."""
+
+    def __init__(
+        self,
+        units: list[Any],
+        reinstall: Callable[[str], Callable[[], None]],
+        needs_grad: Callable[[Any], bool],
+        prefetch: bool,
+    ) -> None:
+        self.units, self.reinstall, self.prefetch = units, reinstall, prefetch
+        self.needs_grad = needs_grad
+        self.calls: list[tuple[str, list[tuple[Any, Any, bool]]]] = []
+        self.ahead: dict[int, Batch] = {}
+        self._slots: dict[int, list[tuple[Any, Any, bool]]] = {}
+
+    def slots(self, module: nn.Module) -> list[tuple[Any, Any, bool]]:
+        """``(x, where, needs grad)`` of every parameter and buffer held by
+        ``module`` or its submodules."""
+        key = id(module)
+        if key not in self._slots:
+            inside = {id(m) for m in module.modules()}
+            self._slots[key] = [
+                (x, where, any(p for _, _, p in where) and self.needs_grad(x))
+                for unit in self.units
+                for _, x, where in unit.slots
+                if any(id(m) in inside for m, _, _ in where)
+            ]
+        return self._slots[key]
+
+    def record(self, path: str, module: nn.Module) -> Callable[[], Any]:
+        """Called as ``module``'s forward runs: what its recomputation enters."""
+        self.calls.append((path, self.slots(module)))
+        return functools.partial(self._restore, len(self.calls) - 1)
+
+    def _gather(self, i: int) -> Batch:
+        path, slots = self.calls[i]
+        with moving(f"the parameters of {path or 'the model'} (gathered again to recompute it)"):
+            return transfer_many(
+                [(x, role_layout(x, "compute")) for x, _, _ in slots if isinstance(x, Sharded)]
+            )
+
+    @contextmanager
+    def _restore(self, i: int) -> Iterator[None]:
+        path, slots = self.calls[i]
+        gathered = self.ahead.pop(i, None) or self._gather(i)
+        values = iter(gathered.wait())
+        if self.prefetch and i > 0 and i - 1 not in self.ahead:
+            self.ahead[i - 1] = self._gather(i - 1)
+        originals = []
+        for x, where, grad in slots:
+            value = (next(values) if isinstance(x, Sharded) else x).detach()
+            if grad:
+                value.requires_grad_(True)
+            for module, name, is_param in where:
+                table = module._parameters if is_param else module._buffers
+                originals.append((table, name, table[name]))
+                table[name] = value
+        undo = self.reinstall(path)
+        try:
+            yield
+        finally:
+            undo()
+            for table, name, original in reversed(originals):
+                table[name] = original
+
+    def close(self) -> None:
+        """Finish the prefetched gathers backward did not use (every rank
+        started them)."""
+        for gathered in self.ahead.values():
+            gathered.wait()
+        self.ahead.clear()

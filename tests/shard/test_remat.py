@@ -1,0 +1,199 @@
+"""Activation checkpointing: ``rules.remat`` under ZeRO-3 and under
+Megatron with dropout, on real ranks, gives the plain run's losses and
+parameters over 5 AdamW steps (the recomputation regathers the blocks'
+parameters and replays their dropout masks) and does recompute — each
+rematerialised block runs twice a step; ``sx.remat`` on a plain function;
+what a recomputation could not replay is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_ranks
+from _dropout import NAMES, Net
+from _tiny import VOCAB, gpt2
+
+import shardax as sx
+
+POLICIES = [
+    ("save_nothing", (), 1),
+    ("save_matmuls", (), 1),
+    ("save_names", ("attn",), 1),
+    ("save_nothing", (), 2),  # every other block: h.0 only
+]
+
+
+def _hf_loss(model, p, x):
+    return sx.apply(model, p, x, labels=x, use_cache=False).loss
+
+
+def _net_loss(model, p, x):
+    logits = sx.apply(model, p, x)  # split over the vocabulary
+    return sx.vocab_parallel_cross_entropy(logits, x, "tp", mesh=sx.Mesh({"tp": 2}))
+
+
+def _train(model, mesh, rules, batches, data_axis, block_paths, loss, probe):
+    """5 AdamW steps of ``loss(model, params, tokens)``; ``(losses,
+    gathered params, calls per step of each block's first module probe)``
+    (a block's own hooks run once: only its forward is recomputed, and that
+    only as far as backward needs)."""
+    calls = dict.fromkeys(block_paths, 0)
+    hooks = [
+        model.get_submodule(f"{p}.{probe}").register_forward_hook(
+            lambda *_, p=p: calls.__setitem__(p, calls[p] + 1)
+        )
+        for p in block_paths
+    ]
+    params = sx.shard(sx.params_of(model), mesh, rules)
+    opt = sx.optim.adamw(1e-2, weight_decay=0.1)
+    state = opt.init(params)
+    n = mesh.size(data_axis) if data_axis else 1
+    me = mesh.axis_index(data_axis) if data_axis else 0
+    losses = []
+    for step, x in enumerate(batches):
+        mine = x[me * len(x) // n : (me + 1) * len(x) // n]
+        sx.manual_seed(step, mesh, vary=data_axis or ())
+
+        value, grads = sx.value_and_grad(lambda p, x: loss(model, p, x))(params, mine)
+        params, state = sx.optim.step(opt, grads, state, params)
+        losses.append(value.item())
+    for h in hooks:
+        h.remove()
+    gathered = {k: sx.gather(v) if isinstance(v, sx.Sharded) else v for k, v in params.items()}
+    return losses, gathered, {p: c / len(batches) for p, c in calls.items()}
+
+
+def _zero3(policy, names, every):
+    mesh = sx.Mesh({"dp": 2})
+    batches = torch.randint(0, VOCAB, (5, 4, 8), generator=torch.Generator().manual_seed(1))
+    blocks = ["transformer.h.0", "transformer.h.1"]
+    runs = []
+    for remat in (False, True):
+        torch.manual_seed(0)
+        model = gpt2(resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
+        rules = sx.rules.zero(3, "dp")
+        if remat:
+            rules += sx.rules.remat(r"transformer\.h\.\d+", policy, names=names, every=every)
+        runs.append(_train(model, mesh, rules, batches, "dp", blocks, _hf_loss, "ln_1"))
+    return runs
+
+
+@pytest.mark.parametrize(("policy", "names", "every"), POLICIES)
+def test_remat_under_zero3_matches_the_plain_run(policy, names, every):
+    """Hugging Face GPT-2 with dropout everywhere, ZeRO-3 over dp=2."""
+    for plain, remat in run_ranks(_zero3, policy, names, every):
+        torch.testing.assert_close(remat[0], plain[0], rtol=1e-6, atol=1e-6)
+        for k, v in plain[1].items():
+            torch.testing.assert_close(remat[1][k], v, rtol=1e-6, atol=1e-6, msg=k)
+        assert plain[2] == {"transformer.h.0": 1, "transformer.h.1": 1}
+        # a rematerialised block runs again in backward
+        assert remat[2] == {"transformer.h.0": 2, "transformer.h.1": 2 if every == 1 else 1}
+
+
+def _megatron(policy):
+    mesh = sx.Mesh({"tp": 2})
+    batches = torch.randint(0, 16, (5, 4, 6), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for remat in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        rules = sx.rules.megatron("tp", names=NAMES)
+        if remat:
+            rules += sx.rules.remat(r"blocks\.\d+", policy)
+        runs.append(
+            _train(model, mesh, rules, batches, None, ["blocks.0", "blocks.1"], _net_loss, "mlp.fc")
+        )
+    return runs
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_remat_under_megatron_replays_each_regions_dropout(policy):
+    """tp=2: the blocks' MLPs draw per-tp-rank masks inside their regions
+    and shared ones after the row-parallel sum; the recomputation draws the
+    same."""
+    for plain, remat in run_ranks(_megatron, policy):
+        torch.testing.assert_close(remat[0], plain[0], rtol=1e-6, atol=1e-6)
+        for k, v in plain[1].items():
+            torch.testing.assert_close(remat[1][k], v, rtol=1e-6, atol=1e-6, msg=k)
+        assert remat[2] == {"blocks.0": 2, "blocks.1": 2}
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "save_names"])
+def test_remat_of_a_function_replays_dropout(policy):
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)
+    )
+    x = torch.randn(6, 4)
+    grads = []
+    for fn in (net, sx.remat(net, policy, names=("0",) if policy == "save_names" else ())):
+        torch.manual_seed(3)
+        fn(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+        net.zero_grad()
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _refusals():
+    mesh = sx.Mesh({"tp": 2})
+    model = Net()
+    x = torch.zeros(2, 3, dtype=torch.long)
+    errors = []
+    for extra in (
+        sx.rules.remat(r"blocks\.\d+") + sx.rules.remat(r"blocks\.\d+\.mlp"),  # nested
+        sx.rules.remat(r"blocks\.\d+\.mlp"),  # the forked region itself: its rejoin inside
+    ):
+        params = sx.shard(sx.params_of(model), mesh, sx.rules.megatron("tp", names=NAMES) + extra)
+        try:
+            sx.value_and_grad(lambda p: sx.apply(model, p, x).sum())(params)
+        except sx.ShardingError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_what_a_recomputation_could_not_replay_is_refused():
+    nested, rejoin = run_ranks(_refusals)[0]
+    assert "'blocks.0.mlp' is rematerialised inside 'blocks.0', which is too" in nested
+    assert "'blocks.0.mlp' holds 'blocks.0.mlp.proj', which rejoins" in rejoin
+
+
+class _RematInside(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sx.remat(self.lin)(x)
+
+
+def test_remat_inside_apply_points_to_the_rule():
+    """Its recomputation would run after apply put the model's own
+    parameters back: silently the wrong weights."""
+    model = _RematInside()
+    params = sx.shard(sx.params_of(model), sx.Mesh({"dp": 1}), sx.rules.zero(3))
+    assert sx.remat(model)(torch.ones(1, 2)).shape == (1, 2)  # outside apply: fine
+    with pytest.raises(
+        sx.ShardingError, match=r"remat\(Linear\) inside shardax.apply.*rules.remat"
+    ):
+        sx.value_and_grad(lambda p: sx.apply(model, p, torch.ones(1, 2)).sum())(params)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: sx.Remat("save_all"), r"policy is one of save_nothing, save_matmuls, save_names"),
+        (lambda: sx.Remat("save_names"), r"'save_names' keeps .* none given"),
+        (lambda: sx.Remat(names=("attn",)), r"names=\('attn',\) are for policy 'save_names'"),
+        (lambda: sx.Remat(every=0), r"every is a positive number of modules; got 0"),
+        (lambda: sx.Remat("save_names", names=("(",)), r"names are regexes"),
+        (
+            lambda: sx.remat(torch.nn.Linear(2, 2), "save_names", names=("attn",))(
+                torch.ones(1, 2, requires_grad=True)
+            ),
+            r"match none of Linear's submodules \(it has none\)",
+        ),
+    ],
+)
+def test_bad_remat_settings_are_named(call, match):
+    with pytest.raises(sx.ShardingError, match=match):
+        call()
