@@ -124,6 +124,15 @@ VARIANTS: dict[str, tuple[str, dict[str, str | None]]] = {
     ),
     "fsdp2-glibc": ("fsdp2", {"MALLOC_MMAP_THRESHOLD_": None}),
 }
+MEMORY_MODES: dict[str, dict[str, bool]] = {
+    "shardax3-remat": {"remat": True},
+    "shardax3-offload": {"offload": True},
+    "shardax3-remat-offload": {"remat": True, "offload": True},
+}
+"""ZeRO-3 with the blocks rematerialised (``rules.remat``), the optimizer
+state on disk (``rules.offload``), or both (``benchmarks/memory.py``)."""
+DEEPSPEED_OFFLOAD = {"deepspeed3-offload-cpu": "cpu", "deepspeed3-offload-nvme": "nvme"}
+"""DeepSpeed ZeRO-3 with ``offload_optimizer`` and ``offload_param`` to that device."""
 SCRIPT = Path(__file__).resolve().parent / "fsdp2_script.py"
 ALL_MODES = [
     "limit",
@@ -136,8 +145,10 @@ ALL_MODES = [
     "shardax-tp-sp",
     "shardax-ulysses",
     *VARIANTS,
+    *MEMORY_MODES,
+    *DEEPSPEED_OFFLOAD,
 ]
-ANCHORS = ["fsdp2", "deepspeed3", "deepspeed2"]
+ANCHORS = ["fsdp2", "deepspeed3", "deepspeed2", "shardax3"]
 LOSS_TOLERANCE = 1e-4
 TIMEOUT_S = 300.0
 
@@ -202,8 +213,12 @@ def setup_fsdp2(cfg: GPTConfig, seed: int) -> Step:
     return _torch_step(model, _torch_adamw(model.parameters()))
 
 
-def setup_deepspeed(stage: int, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
-    """DeepSpeed ZeRO ``stage`` (0–3) in fp32, with ``torch.optim.AdamW`` as its client optimizer."""
+def setup_deepspeed(
+    stage: int, cfg: GPTConfig, seed: int, micro_batch: int, offload: str | None = None
+) -> Step:
+    """DeepSpeed ZeRO ``stage`` (0–3) in fp32, with ``torch.optim.AdamW`` as its client
+    optimizer; ``offload``: its optimizer state and parameters on ``"cpu"`` or ``"nvme"``
+    (files in a temporary folder)."""
     import logging
 
     import deepspeed
@@ -221,6 +236,11 @@ def setup_deepspeed(stage: int, cfg: GPTConfig, seed: int, micro_batch: int) -> 
         "gradient_clipping": 0.0,
         "steps_per_print": 2**31 - 1,
     }
+    if offload is not None:
+        where = {"device": offload}
+        if offload == "nvme":
+            where["nvme_path"] = offload_dir()
+        config["zero_optimization"].update(offload_optimizer=where, offload_param=dict(where))
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=_torch_adamw(model.parameters()), config=config
     )
@@ -260,6 +280,24 @@ def _shardax_step(
         return value.detach()
 
     return step
+
+
+def offload_dir() -> str:
+    """This rank's folder for state on disk: ``$SHARDAX_BENCH_OFFLOAD_DIR`` (a
+    local disk, not tmpfs) or the temporary folder."""
+    root = os.environ.get("SHARDAX_BENCH_OFFLOAD_DIR") or tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix=f"shardax-offload-{dist.get_rank()}-", dir=root)
+
+
+def setup_memory(cfg: GPTConfig, seed: int, remat: bool = False, offload: bool = False) -> Step:
+    """shardax ZeRO-3 with ``rules.remat`` over the blocks and/or
+    ``rules.offload`` of the optimizer state to disk."""
+    rules = sx.rules.zero(3, axis="dp")
+    if remat:
+        rules += sx.rules.remat(r"blocks\.\d+")
+    if offload:
+        rules += sx.rules.offload("opt_state", "disk", path=offload_dir())
+    return _shardax_step(cfg, seed, sx.Mesh({"dp": -1}), rules, _loss)
 
 
 def setup_shardax(stage: int, cfg: GPTConfig, seed: int) -> Step:
@@ -323,8 +361,12 @@ def setup(mode: str, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
         return setup_limit(cfg, seed)
     if mode == "fsdp2":
         return setup_fsdp2(cfg, seed)
+    if mode in DEEPSPEED_OFFLOAD:
+        return setup_deepspeed(3, cfg, seed, micro_batch, DEEPSPEED_OFFLOAD[mode])
     if mode.startswith("deepspeed"):
         return setup_deepspeed(int(mode[-1]), cfg, seed, micro_batch)
+    if mode in MEMORY_MODES:
+        return setup_memory(cfg, seed, **MEMORY_MODES[mode])
     if mode in ("shardax-tp", "shardax-tp-sp"):
         return setup_tensor_parallel(cfg, seed, sequence_parallel=mode.endswith("-sp"))
     if mode == "shardax-ulysses":
@@ -341,6 +383,8 @@ def unavailable(modes: Sequence[str]) -> dict[str, str]:
         reason = _deepspeed_missing()
         if reason:
             reasons.update({m: reason for m in modes if m.startswith("deepspeed")})
+        elif "deepspeed3-offload-nvme" in modes and (aio := _deepspeed_aio_missing()):
+            reasons["deepspeed3-offload-nvme"] = aio
     missing = [
         name
         for owner, name in [
@@ -373,6 +417,29 @@ def _deepspeed_missing() -> str | None:
         lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
         return f"import deepspeed failed: {lines[-1]}"
     return None
+
+
+def _deepspeed_aio_missing() -> str | None:
+    """Why DeepSpeed's NVMe offload cannot start here (its ``async_io`` op
+    needs the system's libaio, headers and library), or None."""
+    probe = (
+        "from deepspeed.ops.op_builder import AsyncIOBuilder\n"
+        "import sys\nsys.exit(0 if AsyncIOBuilder().is_compatible(verbose=False) else 3)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode == 0:
+        return None
+    return (
+        "DeepSpeed's NVMe offload needs its async_io op, which needs the system libaio "
+        "(libaio-dev: headers and library; pip cannot install it): AsyncIOBuilder is not "
+        "compatible here"
+    )
 
 
 # ---------------------------------------------------------------- one run, on every rank
@@ -548,7 +615,7 @@ def add_ratios(stats: dict, per_mode: dict[str, dict], anchors: Sequence[str]) -
 def print_table(summary: dict, file=sys.stderr) -> None:
     """The summary, readable."""
     anchors = [a for a in ANCHORS if a in summary["summary"]]
-    short = {"fsdp2": "fsdp2", "deepspeed3": "ds3", "deepspeed2": "ds2"}
+    short = {"fsdp2": "fsdp2", "deepspeed3": "ds3", "deepspeed2": "ds2", "shardax3": "sx3"}
     head = f"{'mode':<24}{'tokens/s':>10}{'step ms':>9}{'peak MiB':>10}{'first loss':>12}"
     head += f"{'of limit':>10}" if "limit" in summary["summary"] else ""
     head += "".join(f"{'tok/s/' + short[a]:>13}{'rss/' + short[a]:>11}" for a in anchors)
@@ -612,7 +679,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, benchmark: str = "train") -> int:
     args = parse_args(argv)
     if args.worker:
         code = worker(args)
@@ -634,7 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     skipped = unavailable(requested)
     modes = [m for m in requested if m not in skipped]
     header = {
-        "benchmark": "train",
+        "benchmark": benchmark,
         "preset": args.preset,
         "model": {
             "vocab_size": cfg.vocab_size,

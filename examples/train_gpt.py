@@ -249,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="recompute each block's activations in backward instead of keeping them "
         "(rules.remat; a bare --remat: save_nothing)",
     )
+    parser.add_argument(
+        "--offload-opt",
+        metavar="KIND",
+        help="where the optimizer state lives: disk:PATH (files in that folder, streamed "
+        "through each step) or host (rules.offload)",
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument(
@@ -326,6 +332,7 @@ CONFIG_FLAGS = {
     "schedule": ("parallel", "pp_schedule"),
     "microbatches": ("parallel", "pp_micro_batches"),
     "remat": ("memory", "remat"),
+    "offload_opt": ("memory", "offload_opt"),
 }
 
 
@@ -734,7 +741,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f"; {cfg.experts} experts, top-{cfg.top_k}" if cfg.experts else "")
         + (f", capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "")
         + (f", split over {run.parallel.ep}" if run.parallel.ep else "")
-        + (f"; blocks rematerialised ({_remat(run)})" if run.memory.remat else ""),
+        + (f"; blocks rematerialised ({_remat(run)})" if run.memory.remat else "")
+        + (f"; optimizer state in {run.memory.offload_opt}" if run.memory.offload_opt else ""),
         f"unigram baseline (a model that ignores context): {train.unigram_entropy():.3f} nats/byte",
     )
 

@@ -253,7 +253,11 @@ def test_deepspeed_docs_configs_convert():
     assert config.precision.params == "fp32"  # bf16 "auto": left to the default
     assert config.optimizer.betas == (0.9, 0.95) and config.optimizer.lr == 1e-3  # lr "auto"
     offload = dict(unmapped)
-    assert "no CPU/NVMe offload" in offload["zero_optimization.offload_optimizer"]
+    assert config.memory.offload_opt == "host"  # device: cpu
+    assert "streams disk state" in offload["zero_optimization.offload_optimizer.pin_memory"]
+    assert "does not offload parameters yet" in offload["zero_optimization.offload_param"]
+    nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}
+    assert from_deepspeed(nvme)[0]["memory"] == {"offload_opt": "disk:/nvme"}
 
     data, unmapped = from_deepspeed(DS_DOCS["fp16-warmup-decay"])
     config = RunConfig.from_dict(data)
@@ -304,7 +308,7 @@ def test_deepspeed_docs_configs_convert():
     with pytest.raises(ConfigError, match=r"curriculum_learning \(no shardax setting"):
         from_deepspeed({"curriculum_learning": {"enabled": True}})
     harmless = from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {}}})
-    assert "no CPU/NVMe offload" in dict(harmless[1])["zero_optimization.offload_param"]
+    assert "does not offload parameters yet" in dict(harmless[1])["zero_optimization.offload_param"]
 
 
 def test_config_cli(tmp_path):

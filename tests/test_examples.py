@@ -184,15 +184,20 @@ def test_train_gpt_with_a_pipeline(tmp_path, dp_run):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
 
-def test_train_gpt_with_remat_gives_the_same_losses(tmp_path, dp_run):
-    """``--remat save_matmuls``: each block's activations recomputed in
-    backward (ZeRO-3 regathering its parameters), the losses those of the
-    run that keeps them."""
+def test_train_gpt_with_remat_and_state_on_disk_gives_the_same_losses(tmp_path, dp_run):
+    """``--remat save_matmuls --offload-opt disk:PATH``: each block's
+    activations recomputed in backward (ZeRO-3 regathering its parameters),
+    Adam's moments in files streamed through each step; the losses those of
+    the run that keeps both in memory, and no file left behind."""
     _, plain = dp_run
-    stdout, remat = _train(tmp_path / "r", tmp_path / "r.jsonl", "--remat", "save_matmuls")
+    state = tmp_path / "state"
+    flags = ["--remat", "save_matmuls", "--offload-opt", f"disk:{state}"]
+    stdout, remat = _train(tmp_path / "r", tmp_path / "r.jsonl", *flags)
     assert "blocks rematerialised (Remat('save_matmuls'))" in stdout
+    assert f"optimizer state in disk:{state}" in stdout
     for a, b in zip(remat, plain, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
+    assert list(state.iterdir()) == []  # every file unlinked as it was made
 
 
 EXPERTS = ["--experts", "4", "--capacity-factor", "1.0"]

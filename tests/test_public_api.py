@@ -213,6 +213,7 @@ SURFACE = {
         "TransformerNames",
         "experts",
         "megatron",
+        "offload",
         "remat",
         "ulysses",
         "zero",

@@ -20,6 +20,7 @@ from ..errors import CheckpointError, ShardingError
 from ..mesh._mesh import AbstractMesh, Mesh
 from ..shard._layout import Layout
 from ..shard._matching import Rules, as_rules, fit_spec, is_rules
+from ..shard._memory import allocate, is_disk, kind_of, release
 from ..shard._sharded import Sharded
 from ..shard._spec import NamedSharding, PartitionSpec
 from ._format import (
@@ -157,7 +158,13 @@ class _Load:
                 f"{path!r}: loading needs a live Mesh; {layout.mesh!r} is abstract"
             )
         rank = layout.mesh.rank
-        local = torch.empty(layout.local_shape(entry.shape, rank), dtype=dtype, device=device)
+        kind = kind_of(target.local) if isinstance(target, Sharded) else "device"
+        shape = layout.local_shape(entry.shape, rank)
+        local = (  # where the target lives (optimizer state on disk: rules.offload)
+            torch.empty(shape, dtype=dtype, device=device)
+            if kind == "device"
+            else allocate(shape, dtype, kind, device)
+        )
         for offsets, sizes, view in layout.box_views(local, entry.shape, rank):
             if view.is_contiguous():
                 fill(self.files, path, entry, offsets, view, verify=self.verify)
@@ -165,6 +172,8 @@ class _Load:
                 part = torch.empty(sizes, dtype=dtype, device=device)
                 fill(self.files, path, entry, offsets, part, verify=self.verify)
                 view.copy_(part)
+        if is_disk(local):
+            release(local)  # read: to its file, out of this process
         placement = target.placement if isinstance(target, Sharded) else None
         return Sharded(local, layout, entry.shape, placement=placement)
 

@@ -214,13 +214,16 @@ class RunConfig:
 
     def make_rules(self, names: Any = None) -> Any:
         """The rules the presets give: ``rules.zero`` (+ ``rules.experts``,
-        ``rules.megatron`` / ``rules.ulysses`` with ``names``, ``rules.remat``)."""
+        ``rules.megatron`` / ``rules.ulysses`` with ``names``, ``rules.remat``,
+        ``rules.offload``)."""
         from .. import rules
 
         p, m = self.parallel, self.memory
         out = rules.zero(p.zero, self._zero_axes)
         if m.remat is not None:
             out = out + rules.remat(m.remat_modules, m.remat, every=m.remat_every)
+        if m.offload_opt is not None:
+            out = out + rules.offload("opt_state", m.offload_opt)
         extra = {} if names is None else {"names": names}
         if self.parallel.tp is not None:
             out = (

@@ -248,13 +248,22 @@ class MonitorConfig:
 REMAT_POLICIES = ("save_nothing", "save_matmuls")
 
 
+def _memory_kind(_: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and not (value == "host" or (value.startswith("disk:") and value[5:])):
+        raise ConfigError(
+            f"{attribute.name} is 'host' or 'disk:PATH' (a folder for the files); got {value!r}"
+        )
+
+
 @attrs.frozen
 class MemoryConfig:
     """Memory for compute: ``remat`` — rematerialise the modules whose path
     matches ``remat_modules`` (default: the blocks of the example GPT, of
     Llama-family and of GPT-2 models) with that policy (``save_nothing``,
-    ``save_matmuls``; ``rules.remat``), every ``remat_every``-th one.
-    None: keep every activation."""
+    ``save_matmuls``; ``rules.remat``), every ``remat_every``-th one
+    (None: keep every activation); ``offload_opt`` — the memory kind of the
+    optimizer state, ``"disk:PATH"`` or ``"host"`` (``rules.offload``; None:
+    the device)."""
 
     remat: str | None = attrs.field(
         default=None,
@@ -265,6 +274,9 @@ class MemoryConfig:
         default=r"(?:.*\.)?(?:blocks|layers|h)\.\d+", converter=_as_str("remat_modules")
     )
     remat_every: int = attrs.field(default=1, converter=_as_int("remat_every"), validator=_positive)
+    offload_opt: str | None = attrs.field(
+        default=None, converter=_optional(_as_str, "offload_opt"), validator=_memory_kind
+    )
 
 
 _SECTIONS: dict[str, type] = {

@@ -16,7 +16,8 @@ import torch
 
 from .._tree import flatten_with_paths
 from ..errors import ShardingError
-from ..shard._placement import role_layout
+from ..shard._memory import allocate
+from ..shard._placement import memory_kind, role_layout
 from ..shard._sharded import Sharded
 from ..shard._transfer import transfer
 
@@ -372,12 +373,13 @@ class Flat:
 
 
 def zeros_like_state(x: Leaf, dtype: torch.dtype | None = None) -> Leaf:
-    """A zero state leaf for param ``x``: for Sharded, in the layout of its
-    "opt_state" role; meta params give meta state."""
+    """A zero state leaf for param ``x``: for Sharded, in the layout and the
+    memory kind of its "opt_state" role; meta params give meta state."""
     if isinstance(x, Sharded):
         layout = role_layout(x, "opt_state")
         shape = layout.local_shape(x.shape, layout.mesh.rank)  # type: ignore[attr-defined]
-        zeros = torch.zeros(shape, dtype=dtype or x.dtype, device=x.device)
+        kind = memory_kind(x, "opt_state") if x.device.type != "meta" else "device"
+        zeros = allocate(shape, dtype or x.dtype, kind, device=x.device)
         return Sharded(zeros, layout, x.shape)
     return torch.zeros_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 

@@ -23,10 +23,11 @@ import attrs
 import torch
 
 from ..kernels import OPTIM
+from ..shard._memory import is_disk, prefetch, release
 from ._base import Kernel
 from ._transforms import ScaleByAdamState, ScaleByLionState, ScaleByRmsState, ScaleByRssState
 
-__all__ = ["ALGORITHMS", "GRADS", "SHADOWS", "Algorithm", "Native", "native"]
+__all__ = ["ALGORITHMS", "GRADS", "SHADOWS", "Algorithm", "Native", "native", "on_disk", "stream"]
 
 GRADS = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
 """The gradient dtypes the kernels read (widened exactly, as torch's cast), by code."""
@@ -155,6 +156,71 @@ class Native:
         )
         if code != 0:  # the dtype tables and the kernel disagree: never return garbage
             raise RuntimeError(f"the native {function} kernel refused its arguments ({code})")
+
+
+WAVE = 1 << 21
+"""Elements per wave of a streamed step (8 MiB of each fp32 buffer)."""
+
+
+def _advise(wave: Sequence[tuple[int, int, int]], buffers: Sequence[Any], advise: Any) -> None:
+    for i, start, count in wave:
+        for seq in buffers:
+            t = seq[i] if seq is not None else None
+            if t is not None and is_disk(t):
+                advise(t, start, count)
+
+
+def stream(
+    lib: Native,
+    function: str,
+    s0: Sequence[torch.Tensor],
+    s1: Sequence[torch.Tensor],
+    g: Sequence[torch.Tensor],
+    p: Sequence[torch.Tensor | None],
+    out: Sequence[torch.Tensor],
+    shadows: Sequence[torch.Tensor] | None,
+    apply: bool,
+    scalars: tuple[float, ...],
+    wave: int | None = None,
+) -> None:
+    """:meth:`Native.launch` over every leaf in waves of about ``wave``
+    elements, for buffers on disk (``rules.offload``): the next wave's disk
+    ranges read ahead while the kernel updates this one, each wave's handed
+    back to its files once written — the step holds a wave or two of the
+    disk-resident state, not all of it. Elementwise, so the results are the
+    one launch's, bit for bit. ``wave``: default :data:`WAVE`."""
+    wave = WAVE if wave is None else wave
+    waves: list[list[tuple[int, int, int]]] = [[]]
+    size = 0
+    for i, o in enumerate(out):
+        n = o.numel()
+        for start in range(0, n, wave):
+            count = min(wave, n - start)
+            if waves[-1] and size + count > wave:
+                waves.append([])
+                size = 0
+            waves[-1].append((i, start, count))
+            size += count
+    disk = (s0, s1, p, out, shadows)
+    _advise(waves[0], disk, prefetch)
+    for k, chunks in enumerate(waves):
+        if k + 1 < len(waves):
+            _advise(waves[k + 1], disk, prefetch)
+
+        def cut(seq: Sequence[Any] | None, chunks: list = chunks) -> Any:
+            if seq is None:
+                return None
+            return [None if seq[i] is None else seq[i].view(-1)[a : a + n] for i, a, n in chunks]
+
+        lib.launch(
+            function, cut(s0), cut(s1), cut(g), cut(p), cut(out), cut(shadows), apply, scalars
+        )
+        _advise(chunks, disk, release)
+
+
+def on_disk(*buffers: Sequence[Any] | None) -> bool:
+    """Whether any tensor of ``buffers`` lives on disk."""
+    return any(t is not None and is_disk(t) for seq in buffers if seq is not None for t in seq)
 
 
 def native() -> Native | None:

@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..shard._memory import allocate, is_disk, release
+from ..shard._placement import memory_kind
 from ..shard._sharded import Sharded
 from ..shard._transfer import transfer
 from ._base import (
@@ -47,7 +49,12 @@ def _master_leaf(x: Any, dtype: torch.dtype) -> Any:
         shape = layout.local_shape(x.shape, layout.mesh.rank)  # type: ignore[attr-defined]
         return Sharded(torch.empty(shape, dtype=dtype, device="meta"), layout, x.shape)
     moved = x if layout == x.layout else transfer(x, layout)
-    return Sharded(moved.local.detach().to(dtype, copy=True), layout, x.shape)
+    master = allocate(moved.local.shape, dtype, memory_kind(x, "opt_state"), moved.local.device)
+    master.copy_(moved.local.detach())
+    if is_disk(master):
+        release(master)  # written: to its file, out of this process
+    # the param's placement: the inner state follows its memory kind too
+    return Sharded(master, layout, x.shape, placement=x.placement)
 
 
 def with_master_weights(

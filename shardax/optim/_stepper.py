@@ -20,6 +20,7 @@ import optree
 import torch
 
 from .._tree import flatten_with_paths
+from ..shard._memory import allocate, is_disk, kind_of, release
 from ..shard._sharded import Sharded
 from ..shard._transfer import transfer
 from ._base import (
@@ -33,7 +34,7 @@ from ._base import (
     is_sharded,
     local,
 )
-from ._native import ALGORITHMS, GRADS, SHADOWS, Native, native
+from ._native import ALGORITHMS, GRADS, SHADOWS, Native, native, on_disk, stream
 from ._precision import MasterWeightsState
 from ._transforms import ScaleByScheduleState
 
@@ -89,8 +90,34 @@ def step(
         return _keeping(
             frozen, grads, state, params, lambda g, s, p: step(optimizer, g, s, p, donate=donate)
         )
-    updates, state = optimizer.update(grads, state, params)
-    return apply_updates(params, updates, donate=donate), state
+    updates, new_state = optimizer.update(grads, state, params)
+    return apply_updates(params, updates, donate=donate), keep_memory(state, new_state, donate)
+
+
+def keep_memory(old: Tree, new: Tree, donate: bool) -> Tree:
+    """``new`` (a state from ``update``) with each leaf whose old value
+    lived on disk (``rules.offload``) put on disk again: written into the
+    old file (``donate``) or a new one — and handed back to it."""
+    old_leaves, spec = optree.tree_flatten(old, is_leaf=is_sharded, none_is_leaf=True)
+    if not any(
+        is_disk(local(x)) for x in old_leaves if is_sharded(x) or isinstance(x, torch.Tensor)
+    ):
+        return new
+    new_leaves, new_spec = optree.tree_flatten(new, is_leaf=is_sharded, none_is_leaf=True)
+    if new_spec != spec:
+        return new
+    out = []
+    for o, n in zip(old_leaves, new_leaves, strict=True):
+        was = local(o) if is_sharded(o) or isinstance(o, torch.Tensor) else None
+        now = local(n) if is_sharded(n) or isinstance(n, torch.Tensor) else None
+        if was is None or now is None or now is was or not is_disk(was) or is_disk(now):
+            out.append(n)
+            continue
+        home = was if donate else allocate(now.shape, now.dtype, kind_of(was))
+        home.copy_(now)
+        release(home)
+        out.append(n.with_local(home) if is_sharded(n) else home)
+    return optree.tree_unflatten(spec, out)
 
 
 def _a_transformation(_: Any, __: Any, value: Any) -> None:
@@ -164,9 +191,11 @@ class FusedStep:
             if isinstance(tx, Fusible) and (lib := native()) is not None:
                 done = _fused(lib, tx, grads, state, params)
             if done is None:
-                updates, state = tx.update(grads, state, params)
-                return apply_updates(params, updates, donate=True), state
-            return done
+                updates, new_state = tx.update(grads, state, params)
+                return apply_updates(params, updates, donate=True), keep_memory(
+                    state, new_state, donate=True
+                )
+            return done[0], keep_memory(state, done[1], donate=True)
 
 
 def fused_step(transformation: GradientTransformation) -> FusedStep:
@@ -343,7 +372,11 @@ def _kernel_step(
     t = int(core.count) + 1 if algorithm.counted else 0
     s0, s1 = locals_[0], locals_[-1]
     scalars = algorithm.scalars(kernel, t, rate)
-    lib.launch(algorithm.function, s0, s1, g, p, out, shadows, in_place, scalars)  # type: ignore[arg-type]
+    args = (algorithm.function, s0, s1, g, p, out, shadows, in_place, scalars)
+    if on_disk(s0, s1, p, out):  # rules.offload: streamed in waves, read ahead
+        stream(lib, *args)  # type: ignore[arg-type]
+    else:
+        lib.launch(*args)  # type: ignore[arg-type]
     for count in counts:
         count.add_(1)
     if not in_place:

@@ -22,6 +22,7 @@ from ._names import GPT2_NAMES as GPT2_NAMES
 from ._names import GPT_NAMES as GPT_NAMES
 from ._names import LLAMA_NAMES as LLAMA_NAMES
 from ._names import TransformerNames as TransformerNames
+from ._offload import offload as offload
 from ._remat import remat as remat
 from ._ulysses import ulysses as ulysses
 from ._zero import zero as zero
@@ -38,6 +39,7 @@ __all__ = [
     "TransformerNames",
     "experts",
     "megatron",
+    "offload",
     "remat",
     "ulysses",
     "zero",

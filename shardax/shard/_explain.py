@@ -136,6 +136,15 @@ class Explanation:
                 + ", ".join(parts)
                 + f"; {format_bytes(total)} in all"
             )
+            kinds: dict[str, Any] = {}
+            for role, b in self.roles:
+                kind = role.partition(" (")[2].rstrip(")") or "device"
+                kinds[kind] = kinds.get(kind, 0) + np.asarray(b)
+            if len(kinds) > 1:
+                lines.append(
+                    "by memory kind per rank (max): "
+                    + ", ".join(f"{k} {format_bytes(int(np.max(b)))}" for k, b in kinds.items())
+                )
         lines += self.notes
         return "\n".join(lines)
 
@@ -193,7 +202,9 @@ def explain(
                 ("grads", placement.grads, leaf.dtype.itemsize),
                 ("opt_state", placement.opt_state, opt_state_bytes),
             ):
-                roles[role] = roles.get(role, 0) + _rank_numels(lay, shape) * size
+                kind = placement.memory_kind(role)  # rules.offload: on disk, in host memory
+                key = role if kind == "device" else f"{role} ({kind})"
+                roles[key] = roles.get(key, 0) + _rank_numels(lay, shape) * size
         rows.append(
             Row(
                 path=path,

@@ -16,6 +16,7 @@ import attrs
 from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
+from ._memory import Offload
 from ._modules import ModuleRule
 from ._placement import ROLES, Placement, ShardOver
 from ._spec import NamedSharding, P, PartitionSpec, as_spec
@@ -162,7 +163,7 @@ def is_rules(value: Any) -> bool:
     """Whether ``value`` is rules: a :class:`Rule`, :class:`ShardOver`,
     :class:`ModuleRule`, :class:`Deferred`, :class:`Rules`, or a non-empty
     list of them."""
-    kinds = (Rule, ShardOver, ModuleRule, Deferred, Rules)
+    kinds = (Rule, ShardOver, ModuleRule, Deferred, Offload, Rules)
     if type(value) in (list, tuple):
         return bool(value) and all(is_rules(v) for v in value)
     return isinstance(value, kinds)
@@ -223,10 +224,11 @@ class Rules:
     modules: tuple[ModuleRule, ...] = ()
     tensor_parallel: tuple[str, ...] = ()
     deferred: tuple[tuple[int, int, Deferred], ...] = ()  # (at rule, at module rule, entry)
+    offloads: tuple[Offload, ...] = ()
 
     def __init__(
         self,
-        *rules: Rule | ShardOver | ModuleRule | Deferred | Rules,
+        *rules: Rule | ShardOver | ModuleRule | Deferred | Offload | Rules,
         strict: bool = False,
         divisible: bool = False,
         tensor_parallel: str | Iterable[str] = (),
@@ -235,6 +237,7 @@ class Rules:
         overs: list[ShardOver] = []
         modules: list[ModuleRule] = []
         deferred: list[tuple[int, int, Deferred]] = []
+        offloads: list[Offload] = []
         tp = list(normalize_axes(tensor_parallel))
         for r in _spread(rules):
             if isinstance(r, Rules):
@@ -242,6 +245,7 @@ class Rules:
                 flat.extend(r.rules)
                 overs.extend(o for o in r.overs if o not in overs)
                 modules.extend(r.modules)
+                offloads.extend(o for o in r.offloads if o not in offloads)
                 tp.extend(a for a in r.tensor_parallel if a not in tp)
                 strict, divisible = strict or r.strict, divisible or r.divisible
             elif isinstance(r, Rule):
@@ -253,10 +257,13 @@ class Rules:
                 modules.append(r)
             elif isinstance(r, Deferred):
                 deferred.append((len(flat), len(modules), r))
+            elif isinstance(r, Offload):
+                if r not in offloads:
+                    offloads.append(r)
             else:
                 raise ShardingError(
-                    f"Rules takes Rule, ShardOver, ModuleRule or Rules values (or lists of "
-                    f"them); got {r!r}"
+                    f"Rules takes Rule, ShardOver, ModuleRule, Offload or Rules values (or lists "
+                    f"of them); got {r!r}"
                 )
         self.__attrs_init__(
             tuple(flat),
@@ -266,6 +273,7 @@ class Rules:
             tuple(modules),
             tuple(dict.fromkeys(tp)),
             tuple(deferred),
+            tuple(offloads),
         )
 
     def __add__(self, other: Rule | ShardOver | Rules) -> Rules:
@@ -300,7 +308,7 @@ class Rules:
         for i, j, entry in self.deferred:
             parts += [*self.rules[r0:i], *self.modules[m0:j], entry.rules_for(paths)]
             r0, m0 = i, j
-        parts += [*self.rules[r0:], *self.modules[m0:], *self.overs]
+        parts += [*self.rules[r0:], *self.modules[m0:], *self.overs, *self.offloads]
         return Rules(
             *parts,
             strict=self.strict,
@@ -354,7 +362,12 @@ class Rules:
         partial = rule.partial if rule is not None else ()
         compute = Layout(mesh, self.spec_for(path, shape, mesh, "compute"), partial=partial)
         grads, opt = (Layout(mesh, self.spec_for(path, shape, mesh, r)) for r in ROLES[2:])
-        return Placement(compute, grads, opt, modules=self.modules)
+        memory = {}
+        for offload in self.offloads:  # the first that places a role wins
+            if offload.matches(path):
+                for role in offload.roles:
+                    memory.setdefault(role, offload.kind)
+        return Placement(compute, grads, opt, modules=self.modules, memory=memory)
 
     def unmatched(self, paths: Iterable[str]) -> list[str]:
         """The paths no rule matches."""
@@ -426,7 +439,7 @@ class Rules:
         for i, _, entry in self.deferred:
             entries += [*self.rules[r0:i], entry]
             r0 = i
-        entries += [*self.rules[r0:], *self.overs, *self.modules]
+        entries += [*self.rules[r0:], *self.overs, *self.modules, *self.offloads]
         return "Rules(" + ", ".join(repr(r) for r in entries) + flags + ")"
 
 

@@ -34,7 +34,7 @@ from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
 from ._spec import Blocks, P, PartitionSpec
 
-__all__ = ["ROLES", "Placement", "ShardOver", "role_layout"]
+__all__ = ["ROLES", "Placement", "ShardOver", "memory_kind", "role_layout"]
 
 ROLES = ("params", "compute", "grads", "opt_state")
 _SPLITTABLE = ("params", "grads", "opt_state")
@@ -157,6 +157,21 @@ class Placement:
     modules: tuple[Any, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
     """The module rules (:class:`~shardax.ModuleRule`) of the rules that
     placed it: :func:`shardax.apply` installs them, with no ``rules=``."""
+    memory: tuple[tuple[str, str], ...] = attrs.field(
+        default=(), kw_only=True, converter=lambda m: tuple(dict(m).items())
+    )
+    """The memory kind of each role not on the device (``rules.offload``):
+    ``(("opt_state", "disk:/scratch/opt"),)``."""
+
+    def memory_kind(self, role: str) -> str:
+        """Where ``role``'s local data lives: ``"device"`` unless offloaded.
+
+        >>> from shardax import AbstractMesh, Layout
+        >>> mesh = AbstractMesh({"dp": 2})
+        >>> Placement(Layout(mesh), Layout(mesh), Layout(mesh), memory={"opt_state": "host"}).memory_kind("opt_state")
+        'host'
+        """
+        return dict(self.memory).get(role, "device")
 
     def __attrs_post_init__(self) -> None:
         meshes = {self.compute.mesh, self.grads.mesh, self.opt_state.mesh}
@@ -173,9 +188,10 @@ class Placement:
 
     def __repr__(self) -> str:
         partial = f" partial={self.compute.partial!r}" if self.compute.partial else ""
+        memory = f", memory={dict(self.memory)!r}" if self.memory else ""
         return (
             f"Placement(compute={self.compute.spec!r}{partial}, grads={self.grads.spec!r}, "
-            f"opt_state={self.opt_state.spec!r})"
+            f"opt_state={self.opt_state.spec!r}{memory})"
         )
 
 
@@ -198,3 +214,10 @@ def role_layout(x: Any, role: str) -> Layout:
     if placement is None:
         return Layout(x.mesh) if role == "compute" else x.layout
     return getattr(placement, role)
+
+
+def memory_kind(x: Any, role: str) -> str:
+    """Where ``x``'s data lives in ``role``: ``"device"`` unless its
+    placement offloads that role (``rules.offload``)."""
+    placement = getattr(x, "placement", None)
+    return "device" if placement is None else placement.memory_kind(role)

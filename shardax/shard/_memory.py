@@ -1,0 +1,181 @@
+"""Memory kinds: where a role's local data lives — ``"device"`` (the
+rank's device: its GPU, or RAM on a CPU rank), ``"host"`` (pinned CPU
+memory beside a GPU; RAM on a CPU rank) or ``"disk:PATH"`` (files in the
+folder ``PATH``) — and :class:`Offload`, the rule entry that puts a role of
+matching parameters in one (``rules.offload``).
+
+A disk tensor is an ordinary CPU tensor whose storage is a shared,
+writable memory map of its own file, created in the folder and unlinked at
+once (nothing is left behind, whatever ends the process). Code that reads
+or writes it pages it in from the file; :func:`release` hands a range back
+to the file (its pages leave the process: the written ones go to the file,
+through the page cache), :func:`prefetch` asks the kernel to read a range
+ahead (asynchronous readahead). The optimizer's fused step streams such
+state in waves: the next wave read ahead while the kernel updates this
+one, each wave released once written — so the process holds a wave or
+two, not the state.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import torch
+
+from ..errors import ShardingError
+
+__all__ = [
+    "KINDS", "Offload", "allocate", "check_kind", "is_disk", "kind_of", "prefetch", "release",
+]  # fmt: skip
+
+KINDS = ("device", "host", "disk")
+"""The memory kinds; ``"disk"`` is written ``"disk:PATH"`` (its folder)."""
+
+_ROLES = ("opt_state",)
+_PAGE = mmap.PAGESIZE
+
+
+def check_kind(kind: Any) -> str:
+    """``kind``, checked: ``"device"``, ``"host"`` or ``"disk:PATH"``.
+
+    >>> check_kind("disk:/tmp/state")
+    'disk:/tmp/state'
+    >>> check_kind("nvme")
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ShardingError: a memory kind is 'device', 'host' or 'disk:PATH' (a folder for the files); got 'nvme'
+    """
+    if isinstance(kind, str) and (kind in ("device", "host") or kind.startswith("disk:")):
+        if kind == "disk:":
+            raise ShardingError("a disk memory kind names its folder: 'disk:PATH'")
+        return kind
+    raise ShardingError(
+        f"a memory kind is 'device', 'host' or 'disk:PATH' (a folder for the files); got {kind!r}"
+    )
+
+
+def _roles(value: str | Iterable[str]) -> tuple[str, ...]:
+    roles = (value,) if isinstance(value, str) else tuple(value)
+    for role in roles:
+        if role not in _ROLES:
+            raise ShardingError(
+                f"offload places the roles {_ROLES!r} (the optimizer state, master weights "
+                f"included); got {role!r}"
+            )
+    return roles
+
+
+@attrs.frozen(repr=False)
+class Offload:
+    """Put the ``roles`` of the parameters matching ``pattern`` (a regex
+    over key paths) in memory ``kind`` (:func:`check_kind`).
+
+    >>> Offload("opt_state", "disk:/tmp/opt")
+    Offload('opt_state', 'disk:/tmp/opt')
+    """
+
+    roles: tuple[str, ...] = attrs.field(converter=_roles)
+    kind: str = attrs.field(converter=check_kind)
+    pattern: str = ".*"
+    _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
+
+    @_regex.default
+    def _make_regex(self) -> re.Pattern[str]:
+        try:
+            return re.compile(self.pattern)
+        except re.error as err:
+            raise ShardingError(f"Offload pattern {self.pattern!r}: {err}") from None
+
+    def matches(self, path: str) -> bool:
+        return self._regex.fullmatch(path) is not None
+
+    def __repr__(self) -> str:
+        roles = self.roles[0] if len(self.roles) == 1 else self.roles
+        pattern = "" if self.pattern == ".*" else f", pattern={self.pattern!r}"
+        return f"Offload({roles!r}, {self.kind!r}{pattern})"
+
+
+def allocate(
+    shape: Iterable[int], dtype: torch.dtype, kind: str, device: Any = "cpu"
+) -> torch.Tensor:
+    """Zeros of ``shape`` in memory ``kind``: on ``device``; pinned host
+    memory (RAM where no GPU is); or a file in the disk kind's folder."""
+    shape = tuple(int(n) for n in shape)
+    kind = check_kind(kind)
+    if kind == "device":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if kind == "host":
+        pinned = torch.cuda.is_available()
+        return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+    return _disk(kind[len("disk:") :], shape, dtype)
+
+
+def _disk(folder: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=folder, prefix="shardax-", suffix=".bin")
+    except OSError as err:
+        raise ShardingError(
+            f"memory kind 'disk:{folder}': cannot create a file there ({err}); name a writable "
+            "folder on a local disk"
+        ) from None
+    try:
+        os.unlink(name)  # the map keeps the file; nothing is left behind
+        os.ftruncate(fd, nbytes)  # sparse: reads as zeros
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as err:
+        raise ShardingError(
+            f"memory kind 'disk:{folder}': cannot map {nbytes:,} bytes there ({err}); is the "
+            "disk full?"
+        ) from None
+    finally:
+        os.close(fd)
+    tensor = torch.frombuffer(mapped, dtype=dtype).view(shape)
+    tensor._shardax_map = mapped  # type: ignore[attr-defined]
+    tensor._shardax_kind = f"disk:{folder}"  # type: ignore[attr-defined]
+    return tensor
+
+
+def kind_of(t: Any) -> str:
+    """The memory kind ``t`` lives in: ``"disk:PATH"`` for a disk tensor,
+    else ``"host"`` (pinned) or ``"device"``."""
+    kind = getattr(t, "_shardax_kind", None)
+    if kind is not None:
+        return kind
+    return "host" if isinstance(t, torch.Tensor) and t.is_pinned() else "device"
+
+
+def is_disk(t: Any) -> bool:
+    """Whether ``t`` is a disk tensor (:func:`allocate` with a disk kind)."""
+    return getattr(t, "_shardax_map", None) is not None
+
+
+def _advise(t: torch.Tensor, start: int, count: int, advice: int) -> None:
+    mapped = t._shardax_map  # type: ignore[attr-defined]
+    first = start * t.element_size() // _PAGE * _PAGE
+    end = min(len(mapped), -(-(start + count) * t.element_size() // _PAGE) * _PAGE)
+    if end > first:
+        mapped.madvise(advice, first, end - first)
+
+
+def prefetch(t: torch.Tensor, start: int = 0, count: int | None = None) -> None:
+    """Ask the kernel to read elements ``start … start+count`` of disk
+    tensor ``t`` ahead, asynchronously."""
+    _advise(t, start, t.numel() - start if count is None else count, mmap.MADV_WILLNEED)
+
+
+def release(t: torch.Tensor, start: int = 0, count: int | None = None) -> None:
+    """Hand elements ``start … start+count`` of disk tensor ``t`` back to
+    its file: their pages leave the process (written ones reach the file
+    through the page cache); reading them again pages them back in."""
+    _advise(t, start, t.numel() - start if count is None else count, mmap.MADV_DONTNEED)

@@ -1,0 +1,165 @@
+"""Optimizer state on disk (``rules.offload("opt_state", "disk", path=...)``):
+on real ranks under ZeRO-3 and ZeRO-1, with plain fp32 params and with
+bf16 params over fp32 master weights, by the fused step (streamed in waves,
+several per step here) and by ``optim.step``: the losses and params of the
+run that keeps the state in memory, bit for bit, and the state still on
+disk after every step, its files gone from the folder; bad settings named."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _dist import run_ranks
+from _tiny import VOCAB, example_gpt
+
+import shardax as sx
+from shardax.optim import _native
+from shardax.shard._memory import allocate, is_disk, prefetch, release
+
+CASES = [
+    (3, "fused", torch.float32),
+    (3, "step", torch.float32),
+    (1, "fused", torch.float32),
+    (3, "fused", torch.bfloat16),
+]
+
+
+def _state_tensors(state):
+    import optree
+
+    leaves = optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, sx.Sharded))
+    return [x.local for x in leaves if isinstance(x, sx.Sharded)]
+
+
+def _train(zero, how, dtype, folder):
+    mesh = sx.Mesh({"dp": 2})
+    me = mesh.axis_index("dp")
+    _native.WAVE = 4096  # several waves a step, leaves split across them
+    batches = torch.randint(0, VOCAB, (5, 4, 8), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for where in (None, folder):
+        torch.manual_seed(0)
+        model = example_gpt()
+        rules = sx.rules.zero(zero, "dp")
+        if where is not None:
+            rules += sx.rules.offload("opt_state", "disk", path=f"{where}/rank{me}")
+        params = sx.shard(sx.params_of(model), mesh, rules)
+        opt = sx.optim.adamw(1e-2, weight_decay=0.1)
+        if dtype != torch.float32:
+            params = {k: v.with_local(v.local.to(dtype)) for k, v in params.items()}
+            opt = sx.optim.with_master_weights(opt)
+        state = opt.init(params)
+        stepper = sx.optim.fused_step(opt)
+        losses, on_disk = [], []
+        for x in batches:
+            mine = x[2 * me : 2 * me + 2]
+
+            def loss_fn(p, x, model=model):
+                logits = sx.apply(model, p, x)
+                return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+
+            loss, grads = sx.value_and_grad(loss_fn)(params, mine)
+            if how == "fused":
+                params, state = stepper.step(params, grads, state)
+            else:
+                params, state = sx.optim.step(opt, grads, state, params)
+            losses.append(loss.item())
+            on_disk.append(all(is_disk(t) for t in _state_tensors(state) if t.numel() > 1))
+        files = os.listdir(f"{where}/rank{me}") if where is not None else []
+        gathered = {k: sx.gather(v).float() for k, v in params.items()}
+        runs.append((losses, gathered, on_disk, files))
+    return runs
+
+
+@pytest.mark.parametrize(("zero", "how", "dtype"), CASES)
+def test_state_on_disk_trains_as_in_memory(tmp_path, zero, how, dtype):
+    for memory, disk in run_ranks(_train, zero, how, dtype, str(tmp_path)):
+        assert disk[0] == memory[0]
+        for k, v in memory[1].items():
+            assert torch.equal(disk[1][k], v), k
+        assert all(disk[2]) and not any(memory[2])  # every moment on disk after every step
+        assert disk[3] == []  # unlinked as made: nothing left in the folder
+
+
+def test_streamed_waves_equal_one_launch():
+    """Leaves split across waves, a wave spanning leaves: the native
+    kernel's results are the same, and the disk buffers keep them."""
+    lib = _native.native()
+    if lib is None:
+        pytest.skip("no native kernels here (no compiler)")
+    torch.manual_seed(0)
+    sizes = [5000, 3, 9000, 1]
+    grads = [torch.randn(n) for n in sizes]
+    results = []
+    for wave in (None, 1024):
+        kind = "device" if wave is None else "disk:" + os.path.join(os.getcwd(), ".offload-test")
+        params = [torch.linspace(-1, 1, n) for n in sizes]
+        mu = [allocate((n,), torch.float32, kind) for n in sizes]
+        nu = [allocate((n,), torch.float32, kind) for n in sizes]
+        scalars = (0.1, 0.999, 0.001, (1 - 0.999) ** 0.5, 1e-8, 1 / 0.1, 0.01, -1e-2)
+        for _ in range(3):
+            if wave is None:
+                lib.launch("sx_adamw", mu, nu, grads, params, params, None, True, scalars)
+            else:
+                _native.stream(
+                    lib, "sx_adamw", mu, nu, grads, params, params, None, True, scalars, wave
+                )
+        results.append((params, mu, nu))
+    for a, b in zip(*results, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+    os.rmdir(os.path.join(os.getcwd(), ".offload-test"))
+
+
+def test_a_disk_tensor_keeps_what_is_written_when_released(tmp_path):
+    t = allocate((3, 2048), torch.float32, f"disk:{tmp_path}")
+    assert is_disk(t) and os.listdir(tmp_path) == [] and t.sum() == 0
+    t[1].fill_(2.5)
+    release(t)  # out of the process, into the file
+    prefetch(t, 2048, 2048)
+    assert t[1].sum().item() == 2.5 * 2048 and t[0].sum() == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: sx.rules.offload("opt_state", "disk"), r"needs the folder for the files: path="),
+        (lambda: sx.rules.offload("opt_state", "nvme"), r"'device', 'host' or 'disk:PATH'"),
+        (lambda: sx.rules.offload("params", "disk", path="/tmp/x"), r"places the roles \('opt_state',\)"),
+        (lambda: sx.rules.offload("opt_state", "host", path="/tmp/x"), r"path= is for kind 'disk'"),
+        (
+            lambda: allocate((4,), torch.float32, "disk:/proc/shardax-cannot-write"),
+            r"'disk:/proc/shardax-cannot-write': cannot create a file there",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_offload_settings_are_named(call, match):
+    with pytest.raises(sx.ShardingError, match=match):
+        call()
+
+
+def _checkpoint(folder):
+    mesh = sx.Mesh({"dp": 2})
+    me = mesh.axis_index("dp")
+    torch.manual_seed(0)
+    model = example_gpt()
+    rules = sx.rules.zero(3, "dp") + sx.rules.offload("opt_state", "disk", path=f"{folder}/s{me}")
+    params = sx.shard(sx.params_of(model), mesh, rules)
+    opt = sx.optim.adamw(1e-2)
+    state = opt.init(params)
+    grads = {k: v.with_local(torch.full_like(v.local, 0.5)) for k, v in params.items()}
+    params, state = sx.optim.fused_step(opt).step(params, grads, state)
+    sx.ckpt.save(f"{folder}/ckpt", {"params": params, "opt_state": state})
+    target = {"params": params, "opt_state": opt.init(params)}
+    loaded = sx.ckpt.load(f"{folder}/ckpt", target)["opt_state"]
+    pairs = zip(_state_tensors(state), _state_tensors(loaded), strict=True)
+    return [(torch.equal(a, b), is_disk(b) or b.numel() <= 1) for a, b in pairs]
+
+
+def test_a_checkpoint_of_state_on_disk_loads_back_onto_disk(tmp_path):
+    """Saved from its files, loaded into the target's files: the same
+    values, and the loaded moments on disk, as the target's were."""
+    for rank in run_ranks(_checkpoint, str(tmp_path)):
+        assert rank and all(equal and disk for equal, disk in rank)
