@@ -12,6 +12,9 @@ line per run and a summary with ratios), over these modes:
 - ``shardax3-offload``: + ``rules.offload("opt_state", "disk", path=...)``:
   Adam's moments in files, streamed through each step in waves;
 - ``shardax3-remat-offload``: both;
+- ``shardax3-remat-offload-params``: and the parameters' shards on disk too
+  (``rules.offload(("params", "opt_state"), ...)``), each block's read as
+  its gather packs it and handed back at once;
 - ``deepspeed3``: DeepSpeed ZeRO-3 on its CPU accelerator;
 - ``deepspeed3-offload-cpu``: + ``offload_optimizer`` and ``offload_param``
   to ``cpu`` (on a machine without a GPU, the same memory);
@@ -46,6 +49,7 @@ MODES = [
     "shardax3-remat",
     "shardax3-offload",
     "shardax3-remat-offload",
+    "shardax3-remat-offload-params",
 ]
 
 

@@ -91,13 +91,15 @@ def step(
             frozen, grads, state, params, lambda g, s, p: step(optimizer, g, s, p, donate=donate)
         )
     updates, new_state = optimizer.update(grads, state, params)
-    return apply_updates(params, updates, donate=donate), keep_memory(state, new_state, donate)
+    new_params = apply_updates(params, updates, donate=donate)
+    return keep_memory(params, new_params, donate), keep_memory(state, new_state, donate)
 
 
 def keep_memory(old: Tree, new: Tree, donate: bool) -> Tree:
-    """``new`` (a state from ``update``) with each leaf whose old value
-    lived on disk (``rules.offload``) put on disk again: written into the
-    old file (``donate``) or a new one — and handed back to it."""
+    """``new`` (params or a state, stepped) with each leaf whose old value
+    lived on disk (``rules.offload``) on disk again: written into the old
+    file (``donate``) or a new one — and handed back to its file (also
+    where the step wrote the old one in place)."""
     old_leaves, spec = optree.tree_flatten(old, is_leaf=is_sharded, none_is_leaf=True)
     if not any(
         is_disk(local(x)) for x in old_leaves if is_sharded(x) or isinstance(x, torch.Tensor)
@@ -110,6 +112,8 @@ def keep_memory(old: Tree, new: Tree, donate: bool) -> Tree:
     for o, n in zip(old_leaves, new_leaves, strict=True):
         was = local(o) if is_sharded(o) or isinstance(o, torch.Tensor) else None
         now = local(n) if is_sharded(n) or isinstance(n, torch.Tensor) else None
+        if was is not None and now is was and is_disk(was):
+            release(was)  # written in place: out of the process
         if was is None or now is None or now is was or not is_disk(was) or is_disk(now):
             out.append(n)
             continue
@@ -192,10 +196,8 @@ class FusedStep:
                 done = _fused(lib, tx, grads, state, params)
             if done is None:
                 updates, new_state = tx.update(grads, state, params)
-                return apply_updates(params, updates, donate=True), keep_memory(
-                    state, new_state, donate=True
-                )
-            return done[0], keep_memory(state, done[1], donate=True)
+                done = apply_updates(params, updates, donate=True), new_state
+            return keep_memory(params, done[0], True), keep_memory(state, done[1], True)
 
 
 def fused_step(transformation: GradientTransformation) -> FusedStep:

@@ -16,6 +16,7 @@ from ..errors import ShardingError, UnmatchedRulesWarning, UnshardedWeightWarnin
 from ..mesh._mesh import AbstractMesh, Mesh
 from ._layout import Layout
 from ._matching import Rules, as_rules, fit_spec
+from ._memory import placed
 from ._sharded import Sharded
 from ._spec import NamedSharding, P, PartitionSpec
 from ._transfer import transfer
@@ -205,7 +206,9 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src: int | None = None) -> Any:
             else _shard_one(leaf, mesh, layout, src)
         )
         if rules is not None:
-            x = Sharded(x.local, x.layout, x.shape, placement=rules.placement(path, x.shape, mesh))
+            placement = rules.placement(path, x.shape, mesh)
+            local = placed(x.local, placement.memory_kind("params"))  # rules.offload
+            x = Sharded(local, x.layout, x.shape, placement=placement)
         out.append(x)
     return optree.tree_unflatten(treespec, out)
 

@@ -27,6 +27,7 @@ from ..errors import ShardingError
 from ._grad import current_tape
 from ._layout import Layout
 from ._matching import as_rules
+from ._memory import prefetch_all, release_all
 from ._modules import install
 from ._placement import role_layout
 from ._regather import Regather
@@ -141,6 +142,17 @@ def _moved(unit: _Unit) -> str:
     return f"{shown} (gathered for {unit.path or 'the model'})"
 
 
+def _gather(unit: _Unit) -> Batch:
+    """Start gathering ``unit``'s parameters to their compute layouts; the
+    shards on disk (``rules.offload("params", ...)``) leave the process as
+    soon as they are packed."""
+    items = _items(unit)
+    with moving(_moved(unit)):
+        batch = transfer_many(items)
+    release_all(x.local for x, _ in items)
+    return batch
+
+
 def _items(unit: _Unit) -> list[tuple[Sharded, Layout]]:
     """A unit's Sharded parameters, each with the layout it computes in."""
     return [(x, role_layout(x, "compute")) for _, x, _ in unit.slots if isinstance(x, Sharded)]
@@ -175,14 +187,16 @@ class _Run:
 
     def _start(self, unit: _Unit) -> Batch:
         if unit.index not in self.pending:
-            with moving(_moved(unit)):
-                self.pending[unit.index] = transfer_many(_items(unit))
+            self.pending[unit.index] = _gather(unit)
+            if self.prefetch and unit.index + 1 < len(self.units):  # shards on disk: read ahead
+                prefetch_all(x.local for x, _ in _items(self.units[unit.index + 1]))
         return self.pending[unit.index]
 
     def enter(self, unit: _Unit) -> None:
         if self.differentiable:
             with moving(_moved(unit)):
                 values = [transfer(x, layout).local for x, layout in _items(unit)]
+            release_all(x.local for x, _ in _items(unit))
         else:
             gathered = self._start(unit)
             self.pending.pop(unit.index, None)
@@ -280,7 +294,7 @@ def apply(
     plan = _plan(model, params, units)
     regather = None
     if tape is not None:  # backward gathers again what autograd saves of the gathers
-        regather = Regather(lambda i: transfer_many(_items(plan[i])), prefetch)
+        regather = Regather(lambda i: _gather(plan[i]), prefetch)
         tape.defer(regather.close)
     run = _Run(plan, prefetch, tape.lift if tape is not None else None, regather)
     hooks = []

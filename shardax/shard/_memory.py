@@ -32,13 +32,14 @@ import torch
 from ..errors import ShardingError
 
 __all__ = [
-    "KINDS", "Offload", "allocate", "check_kind", "is_disk", "kind_of", "prefetch", "release",
+    "KINDS", "Offload", "allocate", "check_kind", "is_disk", "kind_of", "placed", "prefetch",
+    "prefetch_all", "release", "release_all",
 ]  # fmt: skip
 
 KINDS = ("device", "host", "disk")
 """The memory kinds; ``"disk"`` is written ``"disk:PATH"`` (its folder)."""
 
-_ROLES = ("opt_state",)
+_ROLES = ("params", "opt_state")
 _PAGE = mmap.PAGESIZE
 
 
@@ -66,8 +67,8 @@ def _roles(value: str | Iterable[str]) -> tuple[str, ...]:
     for role in roles:
         if role not in _ROLES:
             raise ShardingError(
-                f"offload places the roles {_ROLES!r} (the optimizer state, master weights "
-                f"included); got {role!r}"
+                f"offload places the roles {_ROLES!r} (the parameters' shards; the optimizer "
+                f"state, master weights included); got {role!r}"
             )
     return roles
 
@@ -144,6 +145,31 @@ def _disk(folder: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     tensor._shardax_map = mapped  # type: ignore[attr-defined]
     tensor._shardax_kind = f"disk:{folder}"  # type: ignore[attr-defined]
     return tensor
+
+
+def placed(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """``t``'s values in memory ``kind`` (``t`` itself where it is there)."""
+    if kind == kind_of(t) or (kind == "host" and not torch.cuda.is_available()):
+        return t
+    out = allocate(t.shape, t.dtype, kind, t.device if kind == "device" else "cpu")
+    out.copy_(t)
+    if is_disk(out):
+        release(out)  # written: to its file, out of this process
+    return out
+
+
+def release_all(tensors: Iterable[Any]) -> None:
+    """:func:`release` every disk tensor among ``tensors`` (others: nothing)."""
+    for t in tensors:
+        if is_disk(t):
+            release(t)
+
+
+def prefetch_all(tensors: Iterable[Any]) -> None:
+    """:func:`prefetch` every disk tensor among ``tensors``."""
+    for t in tensors:
+        if is_disk(t):
+            prefetch(t)
 
 
 def kind_of(t: Any) -> str:

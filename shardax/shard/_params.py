@@ -23,6 +23,7 @@ from ._init import (
     run_on,
     written_slots,
 )
+from ._memory import placed
 from ._sharded import Sharded
 
 __all__ = ["init_params", "params_of"]
@@ -171,7 +172,8 @@ class _Initialising:
         placement = (
             self.rules.placement(path, x.shape, self.mesh) if self.rules is not None else None
         )
-        self.out[path] = Sharded(x.local, x.layout, x.shape, placement=placement)
+        local = x.local if placement is None else placed(x.local, placement.memory_kind("params"))
+        self.out[path] = Sharded(local, x.layout, x.shape, placement=placement)
 
     def dense(self, slot: Slot) -> torch.Tensor:
         """What an initialiser writing ``slot`` starts from: the value kept

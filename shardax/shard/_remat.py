@@ -44,6 +44,7 @@ from torch.utils.checkpoint import (
 
 from ..collectives._agree import moving
 from ..errors import ShardingError
+from ._memory import release_all
 from ._placement import role_layout
 from ._sharded import Sharded
 from ._transfer import Batch, transfer_many
@@ -385,10 +386,11 @@ class Recompute:
 
     def _gather(self, i: int) -> Batch:
         path, slots = self.calls[i]
+        items = [(x, role_layout(x, "compute")) for x, _, _ in slots if isinstance(x, Sharded)]
         with moving(f"the parameters of {path or 'the model'} (gathered again to recompute it)"):
-            return transfer_many(
-                [(x, role_layout(x, "compute")) for x, _, _ in slots if isinstance(x, Sharded)]
-            )
+            batch = transfer_many(items)
+        release_all(x.local for x, _ in items)  # shards on disk: packed, out of the process
+        return batch
 
     @contextmanager
     def _restore(self, i: int) -> Iterator[None]:

@@ -16,14 +16,21 @@ from _tiny import VOCAB, example_gpt
 
 import shardax as sx
 from shardax.optim import _native
-from shardax.shard._memory import allocate, is_disk, prefetch, release
+from shardax.shard._memory import allocate, is_disk, kind_of, placed, prefetch, release
 
+OPT = ("opt_state",)
+BOTH = ("params", "opt_state")
 CASES = [
-    (3, "fused", torch.float32),
-    (3, "step", torch.float32),
-    (1, "fused", torch.float32),
-    (3, "fused", torch.bfloat16),
+    (3, "fused", torch.float32, OPT),
+    (3, "step", torch.float32, OPT),
+    (1, "fused", torch.float32, OPT),
+    (3, "fused", torch.bfloat16, OPT),
+    (3, "fused", torch.float32, BOTH),  # ZeRO-3's shards on disk too
+    (3, "step", torch.bfloat16, BOTH),
+    (1, "step", torch.float32, BOTH),  # ZeRO-1: every rank's whole params on disk
 ]
+IDS = ["zero3-fused", "zero3-step", "zero1-fused", "zero3-bf16-master", "zero3-params",
+       "zero3-params-bf16-step", "zero1-params-step"]  # fmt: skip
 
 
 def _state_tensors(state):
@@ -33,7 +40,7 @@ def _state_tensors(state):
     return [x.local for x in leaves if isinstance(x, sx.Sharded)]
 
 
-def _train(zero, how, dtype, folder):
+def _train(zero, how, dtype, roles, folder):
     mesh = sx.Mesh({"dp": 2})
     me = mesh.axis_index("dp")
     _native.WAVE = 4096  # several waves a step, leaves split across them
@@ -44,11 +51,15 @@ def _train(zero, how, dtype, folder):
         model = example_gpt()
         rules = sx.rules.zero(zero, "dp")
         if where is not None:
-            rules += sx.rules.offload("opt_state", "disk", path=f"{where}/rank{me}")
+            rules += sx.rules.offload(roles, "disk", path=f"{where}/rank{me}")
         params = sx.shard(sx.params_of(model), mesh, rules)
         opt = sx.optim.adamw(1e-2, weight_decay=0.1)
         if dtype != torch.float32:
-            params = {k: v.with_local(v.local.to(dtype)) for k, v in params.items()}
+            # (the cast's copy put where each shard lived: on disk, with "params" offloaded)
+            params = {
+                k: v.with_local(placed(v.local.to(dtype), kind_of(v.local)))
+                for k, v in params.items()
+            }
             opt = sx.optim.with_master_weights(opt)
         state = opt.init(params)
         stepper = sx.optim.fused_step(opt)
@@ -66,16 +77,19 @@ def _train(zero, how, dtype, folder):
             else:
                 params, state = sx.optim.step(opt, grads, state, params)
             losses.append(loss.item())
-            on_disk.append(all(is_disk(t) for t in _state_tensors(state) if t.numel() > 1))
+            tensors = _state_tensors(state)
+            if "params" in roles or where is None:
+                tensors += [v.local for v in params.values()]
+            on_disk.append(all(is_disk(t) for t in tensors if t.numel() > 1))
         files = os.listdir(f"{where}/rank{me}") if where is not None else []
         gathered = {k: sx.gather(v).float() for k, v in params.items()}
         runs.append((losses, gathered, on_disk, files))
     return runs
 
 
-@pytest.mark.parametrize(("zero", "how", "dtype"), CASES)
-def test_state_on_disk_trains_as_in_memory(tmp_path, zero, how, dtype):
-    for memory, disk in run_ranks(_train, zero, how, dtype, str(tmp_path)):
+@pytest.mark.parametrize(("zero", "how", "dtype", "roles"), CASES, ids=IDS)
+def test_state_on_disk_trains_as_in_memory(tmp_path, zero, how, dtype, roles):
+    for memory, disk in run_ranks(_train, zero, how, dtype, roles, str(tmp_path)):
         assert disk[0] == memory[0]
         for k, v in memory[1].items():
             assert torch.equal(disk[1][k], v), k
@@ -127,7 +141,7 @@ def test_a_disk_tensor_keeps_what_is_written_when_released(tmp_path):
     [
         (lambda: sx.rules.offload("opt_state", "disk"), r"needs the folder for the files: path="),
         (lambda: sx.rules.offload("opt_state", "nvme"), r"'device', 'host' or 'disk:PATH'"),
-        (lambda: sx.rules.offload("params", "disk", path="/tmp/x"), r"places the roles \('opt_state',\)"),
+        (lambda: sx.rules.offload("grads", "disk", path="/tmp/x"), r"places the roles \('params', 'opt_state'\)"),
         (lambda: sx.rules.offload("opt_state", "host", path="/tmp/x"), r"path= is for kind 'disk'"),
         (
             lambda: allocate((4,), torch.float32, "disk:/proc/shardax-cannot-write"),
