@@ -74,6 +74,7 @@ they do not. A readable table goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -450,8 +451,43 @@ def _deepspeed_aio_missing() -> str | None:
 # ---------------------------------------------------------------- one run, on every rank
 
 
+CGROUP_ROOTS = (
+    ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+    ("/sys/fs/cgroup", "memory.max"),
+)
+CGROUP_PREFIX = "shardax-bench-"
+
+
+def confine(limit_mib: int) -> None:
+    """Put this process in a memory cgroup of its own capped at ``limit_mib``
+    (cgroup v1 or v2): past it, the kernel reclaims the page cache and then
+    kills the process, as a job's memory limit does."""
+    for root, limit in CGROUP_ROOTS:
+        if os.path.isfile(os.path.join(root, "cgroup.procs")) and os.access(root, os.W_OK):
+            group = os.path.join(root, f"{CGROUP_PREFIX}{os.getpid()}")
+            os.makedirs(group, exist_ok=True)
+            Path(group, limit).write_text(str(limit_mib * 2**20))
+            Path(group, "cgroup.procs").write_text(str(os.getpid()))
+            return
+    raise RuntimeError(
+        "--memory-limit-mib needs a writable memory cgroup (/sys/fs/cgroup/memory or a cgroup v2 "
+        "/sys/fs/cgroup with the memory controller): run as root, or in a container that "
+        "delegates one"
+    )
+
+
+def unconfine() -> None:
+    """Remove the memory cgroups of runs that are over."""
+    for root, _ in CGROUP_ROOTS:
+        for group in Path(root).glob(f"{CGROUP_PREFIX}*") if os.path.isdir(root) else ():
+            with contextlib.suppress(OSError):  # a process still in it
+                group.rmdir()
+
+
 def worker(args: argparse.Namespace) -> int:
     """One rank of one run: build, warm up, time; rank 0 writes the result."""
+    if args.memory_limit_mib:
+        confine(args.memory_limit_mib)
     torch.set_num_threads(args.threads)
     mode = args.worker
     if mode.startswith("shardax"):
@@ -535,6 +571,8 @@ def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
         argv += ["--result", str(result), "--data", args.data]
         argv += ["--preset", args.preset, "--micro-batch", str(args.micro)]
         argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+        if args.memory_limit_mib and not plain:
+            argv += ["--memory-limit-mib", str(args.memory_limit_mib)]
         for flag in ["d_model", "n_layers", "n_heads", "vocab", "seq_len"]:
             if getattr(args, flag) is not None:
                 argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -550,6 +588,10 @@ def run_once(mode: str, repeat: int, args: argparse.Namespace) -> dict:
                 else:
                     env[name] = value
         launch_run(argv, env, args, result, row)
+        if args.memory_limit_mib:
+            unconfine()
+            if "error" in row:
+                row["error"] += f" (under a memory limit of {args.memory_limit_mib} MiB per rank)"
     return row
 
 
@@ -661,6 +703,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--micro-batch", dest="micro", type=int, help="per rank (default: preset's)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--memory-limit-mib",
+        type=int,
+        help="run each rank in a memory cgroup capped at this many MiB (needs a writable one)",
+    )
     parser.add_argument("--data", default=str(DATA), help="a text file, read as bytes")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 1 repeat")
     parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
