@@ -144,13 +144,12 @@ def _moved(unit: _Unit) -> str:
 
 def _gather(unit: _Unit) -> Batch:
     """Start gathering ``unit``'s parameters to their compute layouts; the
-    shards on disk (``rules.offload("params", ...)``) leave the process as
-    soon as they are packed."""
+    shards on disk (``rules.offload("params", ...)``) leave the process
+    once the gather has read them."""
     items = _items(unit)
     with moving(_moved(unit)):
         batch = transfer_many(items)
-    release_all(x.local for x, _ in items)
-    return batch
+    return batch.then(lambda: release_all(x.local for x, _ in items))
 
 
 def _items(unit: _Unit) -> list[tuple[Sharded, Layout]]:

@@ -389,8 +389,8 @@ class Recompute:
         items = [(x, role_layout(x, "compute")) for x, _, _ in slots if isinstance(x, Sharded)]
         with moving(f"the parameters of {path or 'the model'} (gathered again to recompute it)"):
             batch = transfer_many(items)
-        release_all(x.local for x, _ in items)  # shards on disk: packed, out of the process
-        return batch
+        # shards on disk: out of the process once the gather has read them
+        return batch.then(lambda: release_all(x.local for x, _ in items))
 
     @contextmanager
     def _restore(self, i: int) -> Iterator[None]:

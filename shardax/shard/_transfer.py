@@ -237,6 +237,11 @@ class Batch:
         self.bases: list[torch.Tensor] = []
         self._steps: list[Callable[[], None]] = []
 
+    def then(self, step: Callable[[], None]) -> Batch:
+        """Run ``step`` once the transfers are done, at :meth:`wait`."""
+        self._steps.append(step)
+        return self
+
     def wait(self) -> list[torch.Tensor]:
         steps, self._steps = self._steps, []
         for step in steps:
