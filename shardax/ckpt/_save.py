@@ -36,6 +36,7 @@ from ..errors import CheckpointError
 from ..mesh._mesh import Mesh
 from ..mesh._runtime import _timeout_seconds
 from ..shard._layout import Layout
+from ..shard._memory import allocate, is_disk, kind_of, release, release_all
 from ..shard._sharded import Sharded
 from ..shard._spec import P
 from ._format import (
@@ -149,6 +150,7 @@ class _Plan:
     python_rng: Any
     timeout: float
     spare: list[tuple[str, torch.Tensor]] = attrs.field(factory=list)
+    disk: list[torch.Tensor] = attrs.field(factory=list)  # disk tensors read: handed back after
 
 
 def _rng_items(rank: int) -> tuple[list[tuple[str, torch.Tensor]], Any]:
@@ -176,6 +178,7 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
         ) from None
     items: list[tuple[str, torch.Tensor]] = []
     spare: list[tuple[str, torch.Tensor]] = []  # plain tensors another rank may lack
+    disk: list[torch.Tensor] = []  # tensors on disk (rules.offload) the save reads
     entries: dict[str, Any] = {}
     mesh: dict[str, int] = {}
     timeout = None
@@ -210,9 +213,10 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             stored.append(Box(offsets, sizes, _file(owner, world), name))
             if owner == rank or (spec is None and rank):  # plain: rank 0's, unless it lacks it
                 t = (views[offsets] if views else local).detach().contiguous()
-                (items if owner == rank else spare).append(
-                    (name, t.to("cpu", copy=True) if copy else t)
-                )
+                if copy:  # a snapshot where the value lives: on disk for disk state
+                    t = _snapshot(t, local)
+                (items if owner == rank else spare).append((name, t))
+                disk += [u for u in (local, t) if is_disk(u)]
         try:
             dtype = dtype_name(local.dtype)
         except CheckpointError as e:
@@ -225,7 +229,18 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
         rng_items, python_rng = _rng_items(rank)
         items += [(n, t.clone()) for n, t in rng_items]
     index = Index(mesh, world, meta, entries, dict(zip(paths, keys, strict=True)))
-    return _Plan(rank, world, items, index, python_rng, _timeout_seconds(timeout), spare)
+    return _Plan(rank, world, items, index, python_rng, _timeout_seconds(timeout), spare, disk)
+
+
+def _snapshot(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (a piece of ``local``) for a background save: in
+    RAM, or for disk state in another file — not the state's size in RAM."""
+    if not is_disk(local):
+        return t.to("cpu", copy=True)
+    out = allocate(t.shape, t.dtype, kind_of(local))
+    out.copy_(t)
+    release(out)
+    return out
 
 
 class _Store:
@@ -408,6 +423,7 @@ def _write(p: _Plan, final: Path, seq: int, on_commit: Callable[[], None] | None
         index, items = agree_on_owners(p.index, p.items, p.spare, p.rank, p.world, store, mine)
         p = attrs.evolve(p, index=index, items=items, spare=[])
         sums = write_safetensors(tmp / mine, p.items) if p.items else {}
+        release_all(p.disk)  # the disk state read for it: out of this process again
         rng = {n: list(t.shape) for n, t in p.items if n.startswith(RNG_PREFIX)}
         report: dict[str, Any] = {"sums": sums, "rng": rng, "python": p.python_rng}
     except Exception as e:

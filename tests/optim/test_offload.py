@@ -177,3 +177,26 @@ def test_a_checkpoint_of_state_on_disk_loads_back_onto_disk(tmp_path):
     values, and the loaded moments on disk, as the target's were."""
     for rank in run_ranks(_checkpoint, str(tmp_path)):
         assert rank and all(equal and disk for equal, disk in rank)
+
+
+def _saved_in_the_background(folder):
+    """A background save of disk state snapshots it into files, not RAM:
+    the checkpoint holds the values of the moment it was taken."""
+    mesh = sx.Mesh({"dp": 2})
+    me = mesh.axis_index("dp")
+    rules = sx.rules.zero(3, "dp") + sx.rules.offload(BOTH, "disk", path=f"{folder}/s{me}")
+    params = sx.shard({"w": torch.arange(4096.0).view(64, 64)}, mesh, rules)
+    opt = sx.optim.adamw(1e-2)
+    state = opt.init(params)
+    params, state = sx.optim.fused_step(opt).step(params, {"w": params["w"]}, state)
+    handle = sx.ckpt.save_async(f"{folder}/ckpt", {"params": params, "opt_state": state})
+    before = params["w"].local.clone()
+    params["w"].local.add_(1.0)  # the next step writes the files in place meanwhile
+    handle.wait()
+    loaded = sx.ckpt.load(f"{folder}/ckpt", {"params": params, "opt_state": state})
+    return torch.equal(loaded["params"]["w"].local, before), is_disk(loaded["params"]["w"].local)
+
+
+def test_a_background_save_of_disk_state_keeps_the_values_it_was_given(tmp_path):
+    for same, disk in run_ranks(_saved_in_the_background, str(tmp_path)):
+        assert same and disk
