@@ -201,7 +201,7 @@ def install(
         return lambda: None
     streams = Streams(mesh) if mesh is not None else None
     seen: dict[int, int] = {}  # remat rule -> the modules it matched so far
-    rematerialised: list[str] = []
+    rematerialised: list[tuple[str, nn.Module]] = []
     for path, module in model.named_modules():
         matching = [r for r in rules if r.matches(path)]
         inside = under is None or (path.startswith(f"{under}.") if under else bool(path))
@@ -230,7 +230,7 @@ def install(
                     raise ShardingError(
                         f"{rule!r} matches {path!r}: remat runs inside shardax.apply"
                     )
-                rematerialised.append(path)
+                rematerialised.append((path, module))
                 run = checkpointed(
                     module.forward, rule.remat, module, functools.partial(record, path, module)
                 )
@@ -247,23 +247,23 @@ def install(
             u()
 
     try:
-        _check_remat(model, rules, rematerialised)
+        _check_remat(rules, rematerialised)
     except ShardingError:
         remove()
         raise
     return remove
 
 
-def _check_remat(model: nn.Module, rules: Sequence[ModuleRule], paths: list[str]) -> None:
+def _check_remat(rules: Sequence[ModuleRule], remat: list[tuple[str, nn.Module]]) -> None:
     """Refuse what a recomputation could not replay: a rematerialised
     module inside another, or one holding a module that rejoins the shared
     random stream of a region forked outside it (its recomputation would
     not rejoin, and draw other dropout masks)."""
-    for outer in paths:
-        for path, _ in model.named_modules():
-            if not (path.startswith(f"{outer}.") if outer else bool(path)):
+    paths = {path for path, _ in remat}
+    for outer, module in remat:
+        for path, _ in module.named_modules(prefix=outer):
+            if path == outer:
                 continue
-            tail = path[len(outer) + 1 :] if outer else path
             if path in paths:
                 raise ShardingError(
                     f"remat: {path!r} is rematerialised inside {outer!r}, which is too; remat one "
@@ -271,7 +271,7 @@ def _check_remat(model: nn.Module, rules: Sequence[ModuleRule], paths: list[str]
                 )
             if not any(r.rejoin and r.matches(path) for r in rules):
                 continue
-            steps = tail.split(".")
+            steps = (path[len(outer) + 1 :] if outer else path).split(".")
             forks = [".".join(filter(None, [outer, *steps[: i + 1]])) for i in range(len(steps))]
             if not any(r.rng and r.matches(f) for f in forks for r in rules):
                 raise ShardingError(
