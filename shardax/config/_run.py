@@ -368,8 +368,20 @@ class RunConfig:
                 f"checkpoint: {self.checkpoint.dir} every {self.checkpoint.every or 'end'}, "
                 f"keep {self.checkpoint.keep}",
                 f"monitor: every {self.monitor.log_every} steps to {', '.join(self.monitor.writers)}",
+                *_memory_lines(self.memory),
             ]
         )
+
+
+def _memory_lines(m: MemoryConfig) -> list[str]:
+    """What ``memory`` adds to the plan: remat and offload, when set."""
+    parts = []
+    if m.remat is not None:
+        every = f", every {m.remat_every}" if m.remat_every != 1 else ""
+        parts.append(f"remat {m.remat} over {m.remat_modules!r}{every}")
+    if m.offload_opt is not None:
+        parts.append(f"optimizer state in {m.offload_opt}")
+    return [f"memory: {'; '.join(parts)}"] if parts else []
 
 
 def _warmup_then(s: ScheduleConfig, peak: float, total: int) -> Callable[[int], float]:
