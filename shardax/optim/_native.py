@@ -201,7 +201,7 @@ def stream(
                 size = 0
             waves[-1].append((i, start, count))
             size += count
-    disk = (s0, s1, p, out, shadows)
+    disk = (s0, s1, g, p, out, shadows)
     _advise(waves[0], disk, prefetch)
     for k, chunks in enumerate(waves):
         if k + 1 < len(waves):

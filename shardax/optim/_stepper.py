@@ -375,7 +375,7 @@ def _kernel_step(
     s0, s1 = locals_[0], locals_[-1]
     scalars = algorithm.scalars(kernel, t, rate)
     args = (algorithm.function, s0, s1, g, p, out, shadows, in_place, scalars)
-    if on_disk(s0, s1, p, out):  # rules.offload: streamed in waves, read ahead
+    if on_disk(s0, s1, g, p, out):  # rules.offload: streamed in waves, read ahead
         stream(lib, *args)  # type: ignore[arg-type]
     else:
         lib.launch(*args)  # type: ignore[arg-type]

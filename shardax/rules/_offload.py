@@ -22,8 +22,10 @@ def offload(
     ``pattern`` in memory ``kind``: ``"disk"`` (files in the folder
     ``path``, one per tensor, unlinked as they are made; also written
     ``"disk:PATH"``), ``"host"`` (pinned CPU memory beside a GPU) or
-    ``"device"``. ``"opt_state"`` is the optimizer's state — Adam's moments,
-    the fp32 master weights of ``optim.with_master_weights``.
+    ``"device"``. The roles: ``"opt_state"`` (the optimizer's state — Adam's
+    moments, the fp32 master weights of ``optim.with_master_weights``),
+    ``"params"`` (each rank's shards of the parameters) and ``"grads"`` (the
+    reduced gradients, each written to its file as its reduction lands).
 
     The optimizer's fused step (``optim.step``, ``optim.fused_step``)
     streams disk-resident state through the native kernel in waves, reading

@@ -25,7 +25,8 @@ import torch
 from .._timing import phase
 from .._tree import flatten_with_paths
 from ..errors import ShardingError
-from ._placement import role_layout
+from ._memory import placed, release
+from ._placement import memory_kind, role_layout
 from ._sharded import Sharded
 from ._transfer import Reducer, transfer
 
@@ -81,7 +82,14 @@ class _Slot:
             self.reduce(g)
 
     def add(self, g: torch.Tensor) -> None:
-        self.grad = g if self.grad is None else self.grad + g
+        kind = memory_kind(self.leaf, "grads")
+        if kind == "device" or not kind.startswith("disk:"):
+            self.grad = g if self.grad is None else self.grad + g
+        elif self.grad is None:  # rules.offload("grads", "disk"): reduced, then to its file
+            self.grad = placed(g, kind)
+        else:
+            self.grad.add_(g)
+            release(self.grad)
 
     def reduce(self, g: torch.Tensor) -> None:
         x = self.leaf

@@ -39,7 +39,7 @@ __all__ = [
 KINDS = ("device", "host", "disk")
 """The memory kinds; ``"disk"`` is written ``"disk:PATH"`` (its folder)."""
 
-_ROLES = ("params", "opt_state")
+_ROLES = ("params", "grads", "opt_state")
 _PAGE = mmap.PAGESIZE
 
 
@@ -67,8 +67,8 @@ def _roles(value: str | Iterable[str]) -> tuple[str, ...]:
     for role in roles:
         if role not in _ROLES:
             raise ShardingError(
-                f"offload places the roles {_ROLES!r} (the parameters' shards; the optimizer "
-                f"state, master weights included); got {role!r}"
+                f"offload places the roles {_ROLES!r} (the parameters' shards, their reduced "
+                f"gradients, the optimizer state with any master weights); got {role!r}"
             )
     return roles
 

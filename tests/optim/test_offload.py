@@ -28,9 +28,11 @@ CASES = [
     (3, "fused", torch.float32, BOTH),  # ZeRO-3's shards on disk too
     (3, "step", torch.bfloat16, BOTH),
     (1, "step", torch.float32, BOTH),  # ZeRO-1: every rank's whole params on disk
+    (3, "fused", torch.float32, ("params", "grads", "opt_state")),  # reduced grads too
+    (2, "fused", torch.float32, ("grads", "opt_state")),
 ]
 IDS = ["zero3-fused", "zero3-step", "zero1-fused", "zero3-bf16-master", "zero3-params",
-       "zero3-params-bf16-step", "zero1-params-step"]  # fmt: skip
+       "zero3-params-bf16-step", "zero1-params-step", "zero3-all", "zero2-grads"]  # fmt: skip
 
 
 def _state_tensors(state):
@@ -72,6 +74,7 @@ def _train(zero, how, dtype, roles, folder):
                 return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
 
             loss, grads = sx.value_and_grad(loss_fn)(params, mine)
+            grads_on_disk = [is_disk(g.local) for g in grads.values() if g.local.numel() > 1]
             if how == "fused":
                 params, state = stepper.step(params, grads, state)
             else:
@@ -81,6 +84,10 @@ def _train(zero, how, dtype, roles, folder):
             if "params" in roles or where is None:
                 tensors += [v.local for v in params.values()]
             on_disk.append(all(is_disk(t) for t in tensors if t.numel() > 1))
+            if where is not None and "grads" in roles:
+                on_disk[-1] = on_disk[-1] and all(grads_on_disk)
+            elif where is None:
+                on_disk[-1] = on_disk[-1] or any(grads_on_disk)
         files = os.listdir(f"{where}/rank{me}") if where is not None else []
         gathered = {k: sx.gather(v).float() for k, v in params.items()}
         runs.append((losses, gathered, on_disk, files))
@@ -141,7 +148,7 @@ def test_a_disk_tensor_keeps_what_is_written_when_released(tmp_path):
     [
         (lambda: sx.rules.offload("opt_state", "disk"), r"needs the folder for the files: path="),
         (lambda: sx.rules.offload("opt_state", "nvme"), r"'device', 'host' or 'disk:PATH'"),
-        (lambda: sx.rules.offload("grads", "disk", path="/tmp/x"), r"places the roles \('params', 'opt_state'\)"),
+        (lambda: sx.rules.offload("master", "disk", path="/tmp/x"), r"places the roles \('params', 'grads', 'opt_state'\)"),
         (lambda: sx.rules.offload("opt_state", "host", path="/tmp/x"), r"path= is for kind 'disk'"),
         (
             lambda: allocate((4,), torch.float32, "disk:/proc/shardax-cannot-write"),
