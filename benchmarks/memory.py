@@ -14,7 +14,9 @@ line per run and a summary with ratios), over these modes:
 - ``shardax3-remat-offload``: both;
 - ``shardax3-remat-offload-params``: and the parameters' shards on disk too
   (``rules.offload(("params", "opt_state"), ...)``), each block's read as
-  its gather packs it and handed back at once;
+  its gather has read it;
+- ``shardax3-offload-all``: parameters, gradients (each written to its
+  file as its reduction lands) and state on disk;
 - ``deepspeed3``: DeepSpeed ZeRO-3 on its CPU accelerator;
 - ``deepspeed3-offload-cpu``: + ``offload_optimizer`` and ``offload_param``
   to ``cpu`` (on a machine without a GPU, the same memory);
@@ -50,6 +52,7 @@ MODES = [
     "shardax3-offload",
     "shardax3-remat-offload",
     "shardax3-remat-offload-params",
+    "shardax3-offload-all",
 ]
 
 

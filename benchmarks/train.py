@@ -130,10 +130,11 @@ MEMORY_MODES: dict[str, dict[str, bool]] = {
     "shardax3-offload": {"offload": True},
     "shardax3-remat-offload": {"remat": True, "offload": True},
     "shardax3-remat-offload-params": {"remat": True, "offload": True, "params": True},
+    "shardax3-offload-all": {"offload": True, "params": True, "grads": True},
 }
 """ZeRO-3 with the blocks rematerialised (``rules.remat``), the optimizer
-state on disk (``rules.offload``), both, and the parameters' shards on disk
-too (``benchmarks/memory.py``)."""
+state on disk (``rules.offload``), both, the parameters' shards on disk too,
+and parameters, gradients and state on disk (``benchmarks/memory.py``)."""
 DEEPSPEED_OFFLOAD = {"deepspeed3-offload-cpu": "cpu", "deepspeed3-offload-nvme": "nvme"}
 """DeepSpeed ZeRO-3 with ``offload_optimizer`` and ``offload_param`` to that device."""
 SCRIPT = Path(__file__).resolve().parent / "fsdp2_script.py"
@@ -293,15 +294,21 @@ def offload_dir() -> str:
 
 
 def setup_memory(
-    cfg: GPTConfig, seed: int, remat: bool = False, offload: bool = False, params: bool = False
+    cfg: GPTConfig,
+    seed: int,
+    remat: bool = False,
+    offload: bool = False,
+    params: bool = False,
+    grads: bool = False,
 ) -> Step:
     """shardax ZeRO-3 with ``rules.remat`` over the blocks and/or
-    ``rules.offload`` of the optimizer state (and the parameters' shards) to disk."""
+    ``rules.offload`` of the optimizer state (and the parameters' shards, the
+    gradients) to disk."""
     rules = sx.rules.zero(3, axis="dp")
     if remat:
         rules += sx.rules.remat(r"blocks\.\d+")
     if offload:
-        roles = ("params", "opt_state") if params else "opt_state"
+        roles = ("params",) * params + ("grads",) * grads + ("opt_state",)
         rules += sx.rules.offload(roles, "disk", path=offload_dir())
     return _shardax_step(cfg, seed, sx.Mesh({"dp": -1}), rules, _loss)
 
