@@ -255,6 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the optimizer state lives: disk:PATH (files in that folder, streamed "
         "through each step) or host (rules.offload)",
     )
+    parser.add_argument(
+        "--offload-params",
+        metavar="KIND",
+        help="where each rank's shards of the parameters live: disk:PATH or host",
+    )
+    parser.add_argument(
+        "--offload-grads",
+        metavar="KIND",
+        help="where the reduced gradients live: disk:PATH or host",
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument(
@@ -333,6 +343,8 @@ CONFIG_FLAGS = {
     "microbatches": ("parallel", "pp_micro_batches"),
     "remat": ("memory", "remat"),
     "offload_opt": ("memory", "offload_opt"),
+    "offload_params": ("memory", "offload_params"),
+    "offload_grads": ("memory", "offload_grads"),
 }
 
 
@@ -742,7 +754,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f", capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "")
         + (f", split over {run.parallel.ep}" if run.parallel.ep else "")
         + (f"; blocks rematerialised ({_remat(run)})" if run.memory.remat else "")
-        + (f"; optimizer state in {run.memory.offload_opt}" if run.memory.offload_opt else ""),
+        + (f"; optimizer state in {run.memory.offload_opt}" if run.memory.offload_opt else "")
+        + (f"; parameters in {run.memory.offload_params}" if run.memory.offload_params else "")
+        + (f"; gradients in {run.memory.offload_grads}" if run.memory.offload_grads else ""),
         f"unigram baseline (a model that ignores context): {train.unigram_entropy():.3f} nats/byte",
     )
 
@@ -769,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opt = run.make_optimizer(accumulation, clip=pipe is None)  # a pipeline clips by its own norm
     dtype = DTYPES[precision]
     if dtype != torch.float32:  # compute in bf16/fp16; fp32 master weights in the optimizer state
-        params = {k: v.with_local(v.local.to(dtype)) for k, v in params.items()}
+        params = {k: v.astype(dtype) for k, v in params.items()}  # kept where it lives
     loss_scale = run.make_loss_scale()  # fp16: dynamic loss scaling
     opt_state = opt.init(params)
 

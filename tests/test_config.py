@@ -255,7 +255,7 @@ def test_deepspeed_docs_configs_convert():
     offload = dict(unmapped)
     assert config.memory.offload_opt == "host"  # device: cpu
     assert "streams disk state" in offload["zero_optimization.offload_optimizer.pin_memory"]
-    assert "does not offload parameters yet" in offload["zero_optimization.offload_param"]
+    assert config.memory.offload_params == "host"  # offload_param device: cpu
     nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}
     assert from_deepspeed(nvme)[0]["memory"] == {"offload_opt": "disk:/nvme"}
 
@@ -308,7 +308,9 @@ def test_deepspeed_docs_configs_convert():
     with pytest.raises(ConfigError, match=r"curriculum_learning \(no shardax setting"):
         from_deepspeed({"curriculum_learning": {"enabled": True}})
     harmless = from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {}}})
-    assert "does not offload parameters yet" in dict(harmless[1])["zero_optimization.offload_param"]
+    assert harmless == ({"parallel": {"zero": 3}}, [])  # device none: DeepSpeed's default
+    old = from_deepspeed({"zero_optimization": {"cpu_offload": False, "cpu_offload_params": True}})
+    assert old[0]["memory"] == {"offload_params": "host"}
 
 
 def test_config_cli(tmp_path):

@@ -185,16 +185,18 @@ def test_train_gpt_with_a_pipeline(tmp_path, dp_run):
 
 
 def test_train_gpt_with_remat_and_state_on_disk_gives_the_same_losses(tmp_path, dp_run):
-    """``--remat save_matmuls --offload-opt disk:PATH``: each block's
-    activations recomputed in backward (ZeRO-3 regathering its parameters),
-    Adam's moments in files streamed through each step; the losses those of
-    the run that keeps both in memory, and no file left behind."""
+    """``--remat save_matmuls --offload-opt/-params/-grads disk:PATH``: each
+    block's activations recomputed in backward (ZeRO-3 regathering its
+    parameters), Adam's moments, the parameters' shards and the reduced
+    gradients in files streamed through each step; the losses those of the
+    run that keeps everything in memory, and no file left behind."""
     _, plain = dp_run
     state = tmp_path / "state"
     flags = ["--remat", "save_matmuls", "--offload-opt", f"disk:{state}"]
+    flags += ["--offload-params", f"disk:{state}", "--offload-grads", f"disk:{state}"]
     stdout, remat = _train(tmp_path / "r", tmp_path / "r.jsonl", *flags)
     assert "blocks rematerialised (Remat('save_matmuls'))" in stdout
-    assert f"optimizer state in disk:{state}" in stdout
+    assert f"optimizer state in disk:{state}; parameters in disk:{state}" in stdout
     for a, b in zip(remat, plain, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
     assert list(state.iterdir()) == []  # every file unlinked as it was made

@@ -172,32 +172,36 @@ def _ds_zero(zero: Any, put: Callable[..., None], skip: Callable[..., None]) -> 
         elif key == "reduce_bucket_size":
             if value != "auto":
                 put("parallel", "bucket_bytes", int(float(value)) * 4)  # elements of fp32 grads
-        elif key == "offload_optimizer" and isinstance(value, Mapping):
-            _ds_offload_optimizer(value, where, put, skip)
-        elif key == "cpu_offload" and value is True:  # DeepSpeed's old spelling
-            put("memory", "offload_opt", "host")
-        elif key in ("offload_param", "cpu_offload_params"):
-            skip(where, "shardax does not offload parameters yet: they stay on the device", False)
+        elif key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
+            target = "offload_opt" if key == "offload_optimizer" else "offload_params"
+            _ds_offload(value, where, target, put, skip)
+        elif key in ("cpu_offload", "cpu_offload_params"):  # the old spellings
+            if value is True:
+                put("memory", "offload_opt" if key == "cpu_offload" else "offload_params", "host")
         elif where in _DS_IGNORED:
             skip(where, _DS_IGNORED[where], False)
         else:
             skip(where, "no shardax setting for it")
 
 
-def _ds_offload_optimizer(
-    value: Mapping[str, Any], where: str, put: Callable[..., None], skip: Callable[..., None]
+def _ds_offload(
+    value: Mapping[str, Any],
+    where: str,
+    target: str,
+    put: Callable[..., None],
+    skip: Callable[..., None],
 ) -> None:
-    """``offload_optimizer`` — ``device: cpu | nvme`` (``nvme_path``) — as
-    ``memory.offload_opt``: host memory, or files on disk."""
+    """``offload_optimizer`` / ``offload_param`` — ``device: cpu | nvme``
+    (``nvme_path``) — as ``memory.<target>``: host memory, or files on disk."""
     device = value.get("device", "none")
     if device == "cpu":
-        put("memory", "offload_opt", "host")
+        put("memory", target, "host")
     elif device == "nvme":
         path = value.get("nvme_path")
         if not path:
             skip(f"{where}.device", "nvme without nvme_path: no folder for the files", False)
         else:
-            put("memory", "offload_opt", f"disk:{path}")
+            put("memory", target, f"disk:{path}")
     for k in value:
         if k not in ("device", "nvme_path"):
             skip(f"{where}.{k}", "shardax streams disk state through its own read-ahead", False)

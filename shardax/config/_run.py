@@ -222,8 +222,10 @@ class RunConfig:
         out = rules.zero(p.zero, self._zero_axes)
         if m.remat is not None:
             out = out + rules.remat(m.remat_modules, m.remat, every=m.remat_every)
-        if m.offload_opt is not None:
-            out = out + rules.offload("opt_state", m.offload_opt)
+        for role, kind in (("opt_state", m.offload_opt), ("params", m.offload_params),
+                           ("grads", m.offload_grads)):  # fmt: skip
+            if kind is not None:
+                out = out + rules.offload(role, kind)
         extra = {} if names is None else {"names": names}
         if self.parallel.tp is not None:
             out = (
@@ -379,8 +381,10 @@ def _memory_lines(m: MemoryConfig) -> list[str]:
     if m.remat is not None:
         every = f", every {m.remat_every}" if m.remat_every != 1 else ""
         parts.append(f"remat {m.remat} over {m.remat_modules!r}{every}")
-    if m.offload_opt is not None:
-        parts.append(f"optimizer state in {m.offload_opt}")
+    for what, kind in (("optimizer state", m.offload_opt), ("parameters", m.offload_params),
+                       ("gradients", m.offload_grads)):  # fmt: skip
+        if kind is not None:
+            parts.append(f"{what} in {kind}")
     return [f"memory: {'; '.join(parts)}"] if parts else []
 
 

@@ -261,9 +261,10 @@ class MemoryConfig:
     matches ``remat_modules`` (default: the blocks of the example GPT, of
     Llama-family and of GPT-2 models) with that policy (``save_nothing``,
     ``save_matmuls``; ``rules.remat``), every ``remat_every``-th one
-    (None: keep every activation); ``offload_opt`` — the memory kind of the
-    optimizer state, ``"disk:PATH"`` or ``"host"`` (``rules.offload``; None:
-    the device)."""
+    (None: keep every activation); ``offload_opt``, ``offload_params``,
+    ``offload_grads`` — the memory kind of the optimizer state, of the
+    parameters' shards, of the reduced gradients: ``"disk:PATH"`` or
+    ``"host"`` (``rules.offload``; None: the device)."""
 
     remat: str | None = attrs.field(
         default=None,
@@ -276,6 +277,12 @@ class MemoryConfig:
     remat_every: int = attrs.field(default=1, converter=_as_int("remat_every"), validator=_positive)
     offload_opt: str | None = attrs.field(
         default=None, converter=_optional(_as_str, "offload_opt"), validator=_memory_kind
+    )
+    offload_params: str | None = attrs.field(
+        default=None, converter=_optional(_as_str, "offload_params"), validator=_memory_kind
+    )
+    offload_grads: str | None = attrs.field(
+        default=None, converter=_optional(_as_str, "offload_grads"), validator=_memory_kind
     )
 
 

@@ -88,6 +88,19 @@ class Sharded:
     def local_shape(self) -> tuple[int, ...]:
         return tuple(self.local.shape)
 
+    def astype(self, dtype: torch.dtype) -> Sharded:
+        """The same value in ``dtype``, its local tensor in the memory kind it
+        lives in (a shard on disk stays on disk: ``rules.offload``).
+
+        >>> import torch, shardax as sx
+        >>> x = sx.shard(torch.ones(4), sx.Mesh({"dp": 1}), sx.P("dp"))
+        >>> x.astype(torch.bfloat16).local
+        tensor([1., 1., 1., 1.], dtype=torch.bfloat16)
+        """
+        from ._memory import kind_of, placed
+
+        return self.with_local(placed(self.local.to(dtype), kind_of(self.local)))
+
     def with_local(self, local: torch.Tensor) -> Sharded:
         """The same layout, shape and placement around another local tensor."""
         return Sharded(local, self.layout, self.shape, placement=self.placement)

@@ -16,7 +16,7 @@ from _tiny import VOCAB, example_gpt
 
 import shardax as sx
 from shardax.optim import _native
-from shardax.shard._memory import allocate, is_disk, kind_of, placed, prefetch, release
+from shardax.shard._memory import allocate, is_disk, prefetch, release
 
 OPT = ("opt_state",)
 BOTH = ("params", "opt_state")
@@ -57,11 +57,7 @@ def _train(zero, how, dtype, roles, folder):
         params = sx.shard(sx.params_of(model), mesh, rules)
         opt = sx.optim.adamw(1e-2, weight_decay=0.1)
         if dtype != torch.float32:
-            # (the cast's copy put where each shard lived: on disk, with "params" offloaded)
-            params = {
-                k: v.with_local(placed(v.local.to(dtype), kind_of(v.local)))
-                for k, v in params.items()
-            }
+            params = {k: v.astype(dtype) for k, v in params.items()}  # on disk if it was
             opt = sx.optim.with_master_weights(opt)
         state = opt.init(params)
         stepper = sx.optim.fused_step(opt)
