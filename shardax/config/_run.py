@@ -218,22 +218,11 @@ class RunConfig:
         ``rules.offload``)."""
         from .. import rules
 
-        p, m = self.parallel, self.memory
-        out = rules.zero(p.zero, self._zero_axes)
-        if m.remat is not None:
-            out = out + rules.remat(m.remat_modules, m.remat, every=m.remat_every)
-        for role, kind in (("opt_state", m.offload_opt), ("params", m.offload_params),
-                           ("grads", m.offload_grads)):  # fmt: skip
-            if kind is not None:
-                out = out + rules.offload(role, kind)
+        p = self.parallel
+        out = rules.zero(p.zero, self._zero_axes) + _memory_rules(self.memory)
         extra = {} if names is None else {"names": names}
-        if self.parallel.tp is not None:
-            out = (
-                rules.megatron(
-                    self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel, **extra
-                )
-                + out
-            )
+        if p.tp is not None:
+            out = rules.megatron(p.tp, sequence_parallel=p.sequence_parallel, **extra) + out
         if self.parallel.sp is not None:
             out = rules.ulysses(self.parallel.sp, **extra) + out
         if p.ep is not None:  # first: the experts' own layout, inside each expert tp's
@@ -373,6 +362,20 @@ class RunConfig:
                 *_memory_lines(self.memory),
             ]
         )
+
+
+def _memory_rules(m: MemoryConfig) -> Any:
+    """``rules.remat`` and ``rules.offload`` as ``memory`` asks (none: no rules)."""
+    from .. import rules
+
+    out = rules.Rules()
+    if m.remat is not None:
+        out = out + rules.remat(m.remat_modules, m.remat, every=m.remat_every)
+    for role, kind in (("opt_state", m.offload_opt), ("params", m.offload_params),
+                       ("grads", m.offload_grads)):  # fmt: skip
+        if kind is not None:
+            out = out + rules.offload(role, kind)
+    return out
 
 
 def _memory_lines(m: MemoryConfig) -> list[str]:
