@@ -112,6 +112,12 @@ def allocate(
     kind = check_kind(kind)
     if kind == "device":
         return torch.zeros(shape, dtype=dtype, device=device)
+    if torch.device(device).type != "cpu":
+        raise ShardingError(
+            f"memory kind {kind!r} for a tensor on {torch.device(device)}: offload runs on CPU "
+            "ranks only so far (the optimizer steps state where the parameters are; a GPU rank's "
+            "host-side step is not there yet) — keep these roles on the device there"
+        )
     if kind == "host":
         pinned = torch.cuda.is_available()
         return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
@@ -151,7 +157,7 @@ def placed(t: torch.Tensor, kind: str) -> torch.Tensor:
     """``t``'s values in memory ``kind`` (``t`` itself where it is there)."""
     if kind == kind_of(t) or (kind == "host" and not torch.cuda.is_available()):
         return t
-    out = allocate(t.shape, t.dtype, kind, t.device if kind == "device" else "cpu")
+    out = allocate(t.shape, t.dtype, kind, t.device)
     out.copy_(t)
     if is_disk(out):
         release(out)  # written: to its file, out of this process

@@ -150,6 +150,10 @@ def test_a_disk_tensor_keeps_what_is_written_when_released(tmp_path):
             lambda: allocate((4,), torch.float32, "disk:/proc/shardax-cannot-write"),
             r"'disk:/proc/shardax-cannot-write': cannot create a file there",
         ),
+        (  # a GPU rank's tensors: a clear refusal, not a device mismatch later
+            lambda: allocate((4,), torch.float32, "host", device="meta"),
+            r"memory kind 'host' for a tensor on meta: offload runs on CPU ranks only so far",
+        ),
     ],
 )  # fmt: skip
 def test_bad_offload_settings_are_named(call, match):
