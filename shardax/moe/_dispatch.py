@@ -297,7 +297,10 @@ def _expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None) -
     if offsets is None:
         return torch.bmm(x, w.transpose(1, 2))
     if _grouped_fits(x, w):
-        return F.grouped_mm(x, w.transpose(1, 2), offs=offsets)
+        y = F.grouped_mm(x, w.transpose(1, 2), offs=offsets)
+        if y.requires_grad:  # its backward needs the 16-byte rows (a broadcast grad has none)
+            y.register_hook(torch.Tensor.contiguous)
+        return y
     counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
     expert = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), counts)
     within = torch.arange(x.shape[0], device=x.device) - (offsets.long() - counts)[expert]

@@ -374,12 +374,12 @@ class Flat:
 
 def zeros_like_state(x: Leaf, dtype: torch.dtype | None = None) -> Leaf:
     """A zero state leaf for param ``x``: for Sharded, in the layout and the
-    memory kind of its "opt_state" role; meta params give meta state."""
+    memory kind of its "opt_state" role; meta params give meta state (that
+    records the kind, for ``ckpt.load``)."""
     if isinstance(x, Sharded):
         layout = role_layout(x, "opt_state")
         shape = layout.local_shape(x.shape, layout.mesh.rank)  # type: ignore[attr-defined]
-        kind = memory_kind(x, "opt_state") if x.device.type != "meta" else "device"
-        zeros = allocate(shape, dtype or x.dtype, kind, device=x.device)
+        zeros = allocate(shape, dtype or x.dtype, memory_kind(x, "opt_state"), device=x.device)
         return Sharded(zeros, layout, x.shape)
     return torch.zeros_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 

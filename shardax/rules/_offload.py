@@ -27,11 +27,13 @@ def offload(
     ``"params"`` (each rank's shards of the parameters) and ``"grads"`` (the
     reduced gradients, each written to its file as its reduction lands).
 
-    The optimizer's fused step (``optim.step``, ``optim.fused_step``)
-    streams disk-resident state through the native kernel in waves, reading
-    the next wave ahead while it updates this one and handing each back to
-    its file once written: the rank holds a wave or two of the state, not
-    all of it. Compose with the model's rules: ``rules.zero(3) +
+    The fused step (``optim.fused_step``) streams disk-resident state
+    through the native kernel in waves, reading the next wave ahead while it
+    updates this one and handing each back to its file once written: the
+    rank holds a wave or two of the state, not all of it. ``optim.step``
+    (pure), and the fused step where the kernels do not cover the
+    optimizer, page the whole state in for the step and write the new state
+    into files again. Compose with the model's rules: ``rules.zero(3) +
     rules.offload("opt_state", "disk", path="/scratch/opt")``.
 
     >>> import shardax as sx

@@ -25,7 +25,7 @@ import torch
 from .._timing import phase
 from .._tree import flatten_with_paths
 from ..errors import ShardingError
-from ._memory import placed, release
+from ._memory import detached, placed, release
 from ._placement import memory_kind, role_layout
 from ._sharded import Sharded
 from ._transfer import Reducer, transfer
@@ -126,11 +126,11 @@ class Tape:
         for path, x in zip(paths, leaves, strict=True):
             if isinstance(x, Sharded) and x.dtype.is_floating_point:
                 t = Sharded(
-                    x.local.detach().requires_grad_(), x.layout, x.shape, placement=x.placement
+                    detached(x.local).requires_grad_(), x.layout, x.shape, placement=x.placement
                 )
                 self.slots[id(t)] = _Slot(self.reducer, path, t, self.accumulate)
             elif isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
-                t = x.detach().requires_grad_()
+                t = detached(x).requires_grad_()
             else:
                 out.append(x)
                 tracked.append((path, x, None))

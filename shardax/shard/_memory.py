@@ -107,11 +107,15 @@ def allocate(
     shape: Iterable[int], dtype: torch.dtype, kind: str, device: Any = "cpu"
 ) -> torch.Tensor:
     """Zeros of ``shape`` in memory ``kind``: on ``device``; pinned host
-    memory (RAM where no GPU is); or a file in the disk kind's folder."""
+    memory (RAM where no GPU is); or a file in the disk kind's folder. On
+    ``meta`` (shapes only: a target to load into), a meta tensor that
+    records the kind (:func:`kind_of`; ``ckpt.load`` fills it there)."""
     shape = tuple(int(n) for n in shape)
     kind = check_kind(kind)
     if kind == "device":
         return torch.zeros(shape, dtype=dtype, device=device)
+    if torch.device(device).type == "meta":
+        return _meta_in(torch.zeros(shape, dtype=dtype, device="meta"), kind)
     if torch.device(device).type != "cpu":
         raise ShardingError(
             f"memory kind {kind!r} for a tensor on {torch.device(device)}: offload runs on CPU "
@@ -122,6 +126,11 @@ def allocate(
         pinned = torch.cuda.is_available()
         return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
     return _disk(kind[len("disk:") :], shape, dtype)
+
+
+def _meta_in(t: torch.Tensor, kind: str) -> torch.Tensor:
+    t._shardax_kind = kind  # type: ignore[attr-defined]
+    return t
 
 
 def _disk(folder: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -138,7 +147,10 @@ def _disk(folder: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         ) from None
     try:
         os.unlink(name)  # the map keeps the file; nothing is left behind
-        os.ftruncate(fd, nbytes)  # sparse: reads as zeros
+        if hasattr(os, "posix_fallocate"):  # the blocks now: a full disk fails here, not later
+            os.posix_fallocate(fd, 0, nbytes)  # (a sparse file's first write there: SIGBUS)
+        else:
+            os.ftruncate(fd, nbytes)
         mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as err:
         raise ShardingError(
@@ -157,6 +169,8 @@ def placed(t: torch.Tensor, kind: str) -> torch.Tensor:
     """``t``'s values in memory ``kind`` (``t`` itself where it is there)."""
     if kind == kind_of(t) or (kind == "host" and not torch.cuda.is_available()):
         return t
+    if t.is_meta:
+        return _meta_in(t.detach(), kind)
     out = allocate(t.shape, t.dtype, kind, t.device)
     out.copy_(t)
     if is_disk(out):
@@ -190,6 +204,16 @@ def kind_of(t: Any) -> str:
 def is_disk(t: Any) -> bool:
     """Whether ``t`` is a disk tensor (:func:`allocate` with a disk kind)."""
     return getattr(t, "_shardax_map", None) is not None
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` that stays a disk tensor where ``t`` is one (a traced
+    parameter's shard is still handed back to its file after its gather)."""
+    out = t.detach()
+    if is_disk(t):
+        out._shardax_map = t._shardax_map  # type: ignore[attr-defined]
+        out._shardax_kind = t._shardax_kind  # type: ignore[attr-defined]
+    return out
 
 
 def _advise(t: torch.Tensor, start: int, count: int, advice: int) -> None:

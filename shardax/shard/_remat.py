@@ -207,8 +207,21 @@ _FRESH = frozenset(
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    keep = op.overloadpacket in _MATMULS
+    keep = op.overloadpacket in _MATMULS and not _draws(op, args, kwargs)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _draws(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of a seeded op (attention with dropout) takes
+    random numbers: kept, it would not run again in the recomputation, and
+    every draw after it there would differ from the forward's."""
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            value = args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
+            return bool(value)
+    return True
 
 
 _APPLYING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardax_applying", default=False)
@@ -294,7 +307,7 @@ def checkpointed(
     return run
 
 
-_CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
+_CACHES = ("past_key_values", "past_key_value", "layer_past")  # Hugging Face's names
 
 
 def _without_cache(
@@ -310,7 +323,10 @@ def _without_cache(
     if getattr(module, "_can_checkpoint_with_cache", False):
         return args, kwargs
     try:
-        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+        signature = inspect.signature(
+            forward.forward if isinstance(forward, nn.Module) else forward  # not __call__'s
+        )
+        bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return args, kwargs
     dropped = [k for k in _CACHES if bound.arguments.get(k) is not None]
@@ -399,6 +415,8 @@ class Recompute:
         values = iter(gathered.wait())
         if self.prefetch and i > 0 and i - 1 not in self.ahead:
             self.ahead[i - 1] = self._gather(i - 1)
+            if torch._C._current_graph_task_id() != -1:  # a backward without a tape, too
+                torch.autograd.Variable._execution_engine.queue_callback(self.close)
         originals = []
         for x, where, grad in slots:
             value = (next(values) if isinstance(x, Sharded) else x).detach()

@@ -181,6 +181,22 @@ def test_rows_layout_gives_the_padded_layouts_outputs_and_gradients(dtype, d, gr
         torch.testing.assert_close(a, b)
 
 
+def test_grouped_experts_take_a_broadcast_gradient():
+    """``.sum().backward()`` hands the grouped GEMM a gradient with stride
+    0; it gets the padded batched matmul's gradients all the same."""
+    torch.manual_seed(4)
+    x, gate_up, down = torch.randn(6, D), torch.randn(E, 2 * F_, D), torch.randn(E, D, F_)
+    offsets = torch.tensor([2, 2, 5, 6], dtype=torch.int32)
+    grads = []
+    for grouped in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+        inputs = leaves if grouped else [t.double() for t in leaves]  # fp64: the padded bmm
+        moe.swiglu_experts(*inputs, offsets=offsets).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

@@ -130,6 +130,44 @@ def test_streamed_waves_equal_one_launch():
     os.rmdir(os.path.join(os.getcwd(), ".offload-test"))
 
 
+def _resident_kib(t):
+    """The KiB of disk tensor ``t``'s mapping that sit in this process."""
+    ptr = t.data_ptr()
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= ptr < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+def _resident_after_a_step(folder):
+    mesh = sx.Mesh({"dp": 2})
+    me = mesh.axis_index("dp")
+    torch.manual_seed(0)
+    model = example_gpt()
+    rules = sx.rules.zero(3, "dp") + sx.rules.offload("params", "disk", path=f"{folder}/{me}")
+    params = sx.shard(sx.params_of(model), mesh, rules)
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(me))
+    shards = {k: v.local for k, v in params.items()}
+    before = sum(_resident_kib(t) for t in shards.values())
+    touched = sum(_resident_kib(t) for t in shards.values() if t.sum() is not None)
+    sx.value_and_grad(lambda p: sx.apply(model, p, x).square().mean())(params)
+    return before, touched, {k: _resident_kib(t) for k, t in shards.items()}
+
+
+def test_shards_on_disk_leave_the_process_once_gathered(tmp_path):
+    """Under value_and_grad too: forward and backward's gathers read the
+    shards, then hand their pages back to the files."""
+    for before, touched, after in run_ranks(_resident_after_a_step, str(tmp_path)):
+        assert before == 0 and touched > 0 and len(after) > 3
+        assert after == dict.fromkeys(after, 0)
+
+
 def test_a_disk_tensor_keeps_what_is_written_when_released(tmp_path):
     t = allocate((3, 2048), torch.float32, f"disk:{tmp_path}")
     assert is_disk(t) and os.listdir(tmp_path) == [] and t.sum() == 0
@@ -137,6 +175,17 @@ def test_a_disk_tensor_keeps_what_is_written_when_released(tmp_path):
     release(t)  # out of the process, into the file
     prefetch(t, 2048, 2048)
     assert t[1].sum().item() == 2.5 * 2048 and t[0].sum() == 0
+
+
+def test_a_disk_tensors_blocks_are_taken_when_it_is_made(tmp_path):
+    """Not a sparse file: a full disk is a clear error at allocation, not a
+    SIGBUS at the first write into a hole."""
+    if not os.path.isdir("/proc/self/map_files"):
+        pytest.skip("needs Linux's /proc/self/map_files")
+    t = allocate((3, 4096), torch.float32, f"disk:{tmp_path}")
+    start = t.data_ptr()
+    end = start + len(t._shardax_map)
+    assert os.stat(f"/proc/self/map_files/{start:x}-{end:x}").st_blocks * 512 >= t.nbytes
 
 
 @pytest.mark.parametrize(
@@ -151,8 +200,8 @@ def test_a_disk_tensor_keeps_what_is_written_when_released(tmp_path):
             r"'disk:/proc/shardax-cannot-write': cannot create a file there",
         ),
         (  # a GPU rank's tensors: a clear refusal, not a device mismatch later
-            lambda: allocate((4,), torch.float32, "host", device="meta"),
-            r"memory kind 'host' for a tensor on meta: offload runs on CPU ranks only so far",
+            lambda: allocate((4,), torch.float32, "host", device="cuda"),
+            r"memory kind .host. for a tensor on cuda: offload runs on CPU ranks only so far",
         ),
     ],
 )  # fmt: skip
@@ -173,17 +222,24 @@ def _checkpoint(folder):
     grads = {k: v.with_local(torch.full_like(v.local, 0.5)) for k, v in params.items()}
     params, state = sx.optim.fused_step(opt).step(params, grads, state)
     sx.ckpt.save(f"{folder}/ckpt", {"params": params, "opt_state": state})
-    target = {"params": params, "opt_state": opt.init(params)}
-    loaded = sx.ckpt.load(f"{folder}/ckpt", target)["opt_state"]
-    pairs = zip(_state_tensors(state), _state_tensors(loaded), strict=True)
-    return [(torch.equal(a, b), is_disk(b) or b.numel() <= 1) for a, b in pairs]
+    with torch.device("meta"):  # a target of shapes only: loaded where its placement says
+        meta = sx.shard(sx.params_of(example_gpt()), mesh, rules)
+    out = []
+    for target_params in (params, meta):
+        target = {"params": target_params, "opt_state": opt.init(target_params)}
+        loaded = sx.ckpt.load(f"{folder}/ckpt", target)["opt_state"]
+        pairs = zip(_state_tensors(state), _state_tensors(loaded), strict=True)
+        out.append([(torch.equal(a, b), is_disk(b) or b.numel() <= 1) for a, b in pairs])
+    return out
 
 
 def test_a_checkpoint_of_state_on_disk_loads_back_onto_disk(tmp_path):
     """Saved from its files, loaded into the target's files: the same
-    values, and the loaded moments on disk, as the target's were."""
+    values, and the loaded moments on disk, as the target's were — or, for
+    a target on ``meta``, as its placement says."""
     for rank in run_ranks(_checkpoint, str(tmp_path)):
-        assert rank and all(equal and disk for equal, disk in rank)
+        for target in rank:
+            assert target and all(equal and disk for equal, disk in target)
 
 
 def _saved_in_the_background(folder):

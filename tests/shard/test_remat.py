@@ -134,6 +134,49 @@ def test_remat_of_a_function_replays_dropout(policy):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_save_matmuls_recomputes_attention_that_draws_dropout():
+    """A kept fused attention with dropout (the CUDA kernels) would not run
+    again in the recomputation, and each draw after it would differ."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from shardax.shard._remat import _save_matmuls
+
+    aten = torch.ops.aten
+    q = torch.zeros(1, 1, 2, 2)
+    for op, args, kwargs in (
+        (aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.1), {}),
+        (aten._scaled_dot_product_efficient_attention.default, (q, q, q, None, True),
+         {"dropout_p": 0.1}),
+    ):  # fmt: skip
+        assert _save_matmuls(None, op, *args, **kwargs) == CheckpointPolicy.PREFER_RECOMPUTE
+    for op, args in (
+        (aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q)),
+        (aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.0)),
+        (aten.mm.default, (q[0, 0], q[0, 0])),
+    ):
+        assert _save_matmuls(None, op, *args) == CheckpointPolicy.MUST_SAVE
+
+
+class _Cached(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x, past_key_values=None, cache=None):
+        return self.lin(x) + (0 if cache is None else cache), past_key_values
+
+
+def test_remat_leaves_out_only_a_key_value_cache():
+    """Hugging Face's cache is dropped, with a warning (the recomputation
+    would fill it twice); an argument that merely is named ``cache`` stays."""
+    layer, x = _Cached(), torch.ones(1, 2)
+    with pytest.warns(UserWarning, match=r"key/value cache \(past_key_values\)"):
+        _, past = sx.remat(layer)(x, past_key_values=[1])
+    assert past is None
+    y, _ = sx.remat(layer)(x, cache=torch.full((2,), 5.0))
+    torch.testing.assert_close(y, layer.lin(x) + 5.0)
+
+
 def _refusals():
     mesh = sx.Mesh({"tp": 2})
     model = Net()
