@@ -17,6 +17,7 @@ def remat(
     *,
     names: str | Sequence[str] = (),
     every: int = 1,
+    kind: str = "host",
 ) -> Rules:
     """Rematerialise the modules whose path fully matches ``module`` (a
     regex; e.g. ``r"blocks\\.\\d+"``, the transformer blocks): their
@@ -30,7 +31,9 @@ def remat(
     attention kernels: only the cheap elementwise ops run again), or
     ``"save_names"`` with ``names`` (regexes over submodule paths relative
     to the module, e.g. ``names=("attn",)``: their work is kept, the rest
-    is recomputed). ``every=k``: only the 1st, (k+1)-th … matching module
+    is recomputed), or ``"offload_names"``: that work kept in memory
+    ``kind`` — ``"host"`` (pinned, beside a GPU) or ``"disk:PATH"`` (files
+    in a folder) — and brought back for backward. ``every=k``: only the 1st, (k+1)-th … matching module
     (fewer recomputations, more memory).
 
     Compose with the model's other rules: ``rules.zero(3) +
@@ -40,4 +43,4 @@ def remat(
     >>> sx.rules.remat(r"blocks\\.\\d+", "save_matmuls", every=2).modules[0].remat
     Remat('save_matmuls', every=2)
     """
-    return Rules(ModuleRule(module, remat=Remat(policy, names=names, every=every)))
+    return Rules(ModuleRule(module, remat=Remat(policy, names=names, every=every, kind=kind)))

@@ -32,8 +32,8 @@ import torch
 from ..errors import ShardingError
 
 __all__ = [
-    "KINDS", "Offload", "allocate", "check_kind", "is_disk", "kind_of", "placed", "prefetch",
-    "prefetch_all", "release", "release_all",
+    "KINDS", "Offload", "allocate", "check_kind", "is_disk", "kind_of", "offloaded", "placed",
+    "prefetch", "prefetch_all", "release", "release_all", "restored",
 ]  # fmt: skip
 
 KINDS = ("device", "host", "disk")
@@ -176,6 +176,47 @@ def placed(t: torch.Tensor, kind: str) -> torch.Tensor:
     if is_disk(out):
         release(out)  # written: to its file, out of this process
     return out
+
+
+def offloaded(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """A copy of activation ``t`` in memory ``kind`` — ``"host"`` (pinned,
+    copied asynchronously, beside a GPU) or ``"disk:PATH"`` — that
+    :func:`restored` brings back to ``t``'s device — with ``t``'s strides
+    (code after it takes the same paths: a reshape that copied copies
+    again). ``t`` itself where it is not dense (its strides leave gaps)."""
+    t = t.detach()
+    if not _dense(t):
+        return t
+    if kind == "host":
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=t.is_cuda)
+        out.copy_(t, non_blocking=t.is_cuda)
+    else:
+        flat = allocate((t.numel(),), t.dtype, kind)
+        out = flat.as_strided(t.shape, t.stride())
+        out.copy_(t)
+        if is_disk(flat):
+            release(flat)
+    out._shardax_home = t.device  # type: ignore[attr-defined]
+    return out
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its extent exactly, in some order of
+    its dims (a transposed tensor is; a sliced or broadcast one is not)."""
+    extent = 1
+    dims = zip(t.stride(), t.shape, strict=True)
+    for stride, size in sorted((s, n) for s, n in dims if n != 1):
+        if stride != extent:
+            return False
+        extent *= size
+    return True
+
+
+def restored(t: torch.Tensor) -> torch.Tensor:
+    """:func:`offloaded`'s copy back on the device it came from (a disk
+    copy on a CPU rank is used where it is: read, it pages in)."""
+    home = getattr(t, "_shardax_home", t.device)
+    return t if home == t.device else t.to(home, non_blocking=True)
 
 
 def release_all(tensors: Iterable[Any]) -> None:

@@ -23,6 +23,7 @@ tensors it saves — so parameter gradients reach
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -34,8 +35,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
+import optree
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -44,19 +47,21 @@ from torch.utils.checkpoint import (
 
 from ..collectives._agree import moving
 from ..errors import ShardingError
-from ._memory import release_all
+from ._memory import check_kind, offloaded, release_all, restored
 from ._placement import role_layout
 from ._sharded import Sharded
 from ._transfer import Batch, transfer_many
 
 __all__ = ["POLICIES", "Recompute", "Remat", "applying", "checkpointed", "recomputing", "remat"]
 
-POLICIES = ("save_nothing", "save_matmuls", "save_names")
+POLICIES = ("save_nothing", "save_matmuls", "save_names", "offload_names")
 """What a rematerialised region keeps for backward: nothing but its inputs;
 the outputs of its matrix products (JAX's ``dots_saveable``: the expensive
-ops are not run again, the cheap elementwise ones are); or everything
+ops are not run again, the cheap elementwise ones are); everything
 computed inside its submodules named by ``names`` (those are not run
-again, the rest is)."""
+again, the rest is); or that, kept in memory ``kind`` — pinned host memory
+beside a GPU, files on disk — and brought back when backward needs it
+(JAX's ``save_and_offload_only_these_names``)."""
 
 _MATMULS = frozenset(
     getattr(torch.ops.aten, name)
@@ -101,15 +106,19 @@ def _names(value: Any) -> tuple[str, ...]:
 @attrs.frozen(repr=False)
 class Remat:
     """How a region is rematerialised: ``policy`` (one of :data:`POLICIES`),
-    ``names`` (for ``"save_names"``: regexes over the paths of the
-    region's submodules, relative to it, whose computation is kept) and
-    ``every`` (a rule rematerialises the 1st, (k+1)-th, (2k+1)-th … module
-    it matches: JAX's and Megatron's every-k-th block).
+    ``names`` (for ``"save_names"`` and ``"offload_names"``: regexes over
+    the paths of the region's submodules, relative to it, whose computation
+    is kept), ``every`` (a rule rematerialises the 1st, (k+1)-th, (2k+1)-th
+    … module it matches: JAX's and Megatron's every-k-th block) and
+    ``kind`` (where ``"offload_names"`` keeps it: ``"host"``, or
+    ``"disk:PATH"``).
 
     >>> Remat()
     Remat('save_nothing')
     >>> Remat("save_names", names=["attn"], every=2)
     Remat('save_names', names=('attn',), every=2)
+    >>> Remat("offload_names", names="attn", kind="disk:/scratch/act")
+    Remat('offload_names', names=('attn',), kind='disk:/scratch/act')
     >>> Remat("save_names")
     Traceback (most recent call last):
     ...
@@ -119,16 +128,29 @@ class Remat:
     policy: str = attrs.field(default="save_nothing", converter=_policy)
     names: tuple[str, ...] = attrs.field(default=(), converter=_names, kw_only=True)
     every: int = attrs.field(default=1, kw_only=True)
+    kind: str = attrs.field(default="host", converter=check_kind, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        if self.policy == "save_names" and not self.names:
+        named = self.policy in ("save_names", "offload_names")
+        if named and not self.names:
             raise ShardingError(
-                "remat: policy 'save_names' keeps the computation of the submodules named by "
+                f"remat: policy {self.policy!r} keeps the computation of the submodules named by "
                 "names=(regexes over their paths, e.g. names=('attn',)); none given"
             )
-        if self.names and self.policy != "save_names":
+        if self.names and not named:
             raise ShardingError(
-                f"remat: names={self.names!r} are for policy 'save_names'; got {self.policy!r}"
+                f"remat: names={self.names!r} are for policies 'save_names' and "
+                f"'offload_names'; got {self.policy!r}"
+            )
+        if self.kind != "host" and self.policy != "offload_names":
+            raise ShardingError(
+                f"remat: kind={self.kind!r} is where policy 'offload_names' keeps what it "
+                f"saves; got policy {self.policy!r}"
+            )
+        if self.kind == "device":
+            raise ShardingError(
+                "remat: offload_names keeps its activations off the device: kind='host' (pinned "
+                "memory beside a GPU) or 'disk:PATH'; for the device, policy 'save_names'"
             )
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ShardingError(f"remat: every is a positive number of modules; got {self.every!r}")
@@ -136,6 +158,7 @@ class Remat:
     def __repr__(self) -> str:
         tail = f", names={self.names!r}" if self.names else ""
         tail += f", every={self.every}" if self.every != 1 else ""
+        tail += f", kind={self.kind!r}" if self.kind != "host" else ""
         return f"Remat({self.policy!r}{tail})"
 
     def _selective(
@@ -152,7 +175,7 @@ class Remat:
                 contextlib.nullcontext
             )
         if module is None:
-            raise ShardingError("remat: policy 'save_names' names submodules; remat a module")
+            raise ShardingError(f"remat: policy {self.policy!r} names submodules; remat a module")
         regexes = [re.compile(n) for n in self.names]
         named = [m for p, m in module.named_modules() if p and any(r.fullmatch(p) for r in regexes)]
         if not named:
@@ -183,7 +206,54 @@ class Remat:
                 for h in hooks:
                     h.remove()
 
+        if self.policy == "offload_names":
+            return functools.partial(_offloading_contexts, policy, self.kind), tracking
         return functools.partial(create_selective_checkpoint_contexts, policy), tracking
+
+
+def _offloading_contexts(
+    policy: Callable[..., CheckpointPolicy], kind: str
+) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """torch's selective checkpoint, with what it saves kept in ``kind``:
+    the forward's mode copies each kept op's output there, the
+    recomputation's returns it (brought back) instead of running the op."""
+    storage: dict[tuple[Any, int], Any] = {}
+    return _Offloading(policy, storage, kind), _Restoring(storage)
+
+
+class _Offloading(TorchDispatchMode):
+    def __init__(
+        self, policy: Callable[..., CheckpointPolicy], storage: dict[Any, Any], kind: str
+    ) -> None:
+        super().__init__()
+        self.policy, self.storage, self.kind = policy, storage, kind
+        self.counts: dict[Any, int] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        index = self.counts[func]
+        self.counts[func] += 1
+        if self.policy(None, func, *args, **kwargs) == CheckpointPolicy.MUST_SAVE:
+            self.storage[func, index] = optree.tree_map(
+                lambda t: offloaded(t, self.kind) if isinstance(t, torch.Tensor) else t, out
+            )
+        return out
+
+
+class _Restoring(TorchDispatchMode):
+    def __init__(self, storage: dict[Any, Any]) -> None:
+        super().__init__()
+        self.storage = storage
+        self.counts: dict[Any, int] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        index = self.counts[func]
+        self.counts[func] += 1
+        kept = self.storage.pop((func, index), None)
+        if kept is None:
+            return func(*args, **(kwargs or {}))
+        return optree.tree_map(lambda t: restored(t) if isinstance(t, torch.Tensor) else t, kept)
 
 
 def _computes(op: Any) -> bool:
@@ -238,12 +308,16 @@ def applying() -> Iterator[None]:
         _APPLYING.reset(token)
 
 
-def remat(fn: Callable[..., Any], policy: str = "save_nothing", *, names: Any = ()) -> Any:
+def remat(
+    fn: Callable[..., Any], policy: str = "save_nothing", *, names: Any = (), kind: str = "host"
+) -> Any:
     """``fn`` rematerialised: called, it returns what ``fn`` returns, but
     keeps for backward only its inputs (and what ``policy`` saves), and
     runs ``fn`` again in backward to get the rest — random numbers (dropout)
     replayed, so the recomputation equals the forward. ``policy``: one of
-    :data:`POLICIES`; ``names`` for ``"save_names"`` (``fn`` a module).
+    :data:`POLICIES`; ``names`` for ``"save_names"`` and ``"offload_names"``
+    (``fn`` a module); ``kind``, where ``"offload_names"`` keeps what it
+    saves (``"host"``, ``"disk:PATH"``).
 
     For a module inside :func:`shardax.apply`, use the rule
     ``rules.remat(pattern, policy)`` instead: its recomputation gathers the
@@ -256,7 +330,7 @@ def remat(fn: Callable[..., Any], policy: str = "save_nothing", *, names: Any = 
     >>> round(w.grad[0, 0].item(), 4)
     0.0197
     """
-    spec = Remat(policy, names=names)
+    spec = Remat(policy, names=names, kind=kind)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:

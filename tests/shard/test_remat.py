@@ -12,6 +12,7 @@ import torch
 from _dist import run_ranks
 from _dropout import NAMES, Net
 from _tiny import VOCAB, gpt2
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardax as sx
 
@@ -20,6 +21,7 @@ POLICIES = [
     ("save_matmuls", (), 1),
     ("save_names", ("attn",), 1),
     ("save_nothing", (), 2),  # every other block: h.0 only
+    ("offload_names", ("attn",), 1),  # kept in files
 ]
 
 
@@ -63,8 +65,9 @@ def _train(model, mesh, rules, batches, data_axis, block_paths, loss, probe):
     return losses, gathered, {p: c / len(batches) for p, c in calls.items()}
 
 
-def _zero3(policy, names, every):
+def _zero3(policy, names, every, folder):
     mesh = sx.Mesh({"dp": 2})
+    kind = f"disk:{folder}/{mesh.axis_index('dp')}" if policy == "offload_names" else "host"
     batches = torch.randint(0, VOCAB, (5, 4, 8), generator=torch.Generator().manual_seed(1))
     blocks = ["transformer.h.0", "transformer.h.1"]
     runs = []
@@ -73,15 +76,17 @@ def _zero3(policy, names, every):
         model = gpt2(resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
         rules = sx.rules.zero(3, "dp")
         if remat:
-            rules += sx.rules.remat(r"transformer\.h\.\d+", policy, names=names, every=every)
+            rules += sx.rules.remat(
+                r"transformer\.h\.\d+", policy, names=names, every=every, kind=kind
+            )
         runs.append(_train(model, mesh, rules, batches, "dp", blocks, _hf_loss, "ln_1"))
     return runs
 
 
 @pytest.mark.parametrize(("policy", "names", "every"), POLICIES)
-def test_remat_under_zero3_matches_the_plain_run(policy, names, every):
+def test_remat_under_zero3_matches_the_plain_run(tmp_path, policy, names, every):
     """Hugging Face GPT-2 with dropout everywhere, ZeRO-3 over dp=2."""
-    for plain, remat in run_ranks(_zero3, policy, names, every):
+    for plain, remat in run_ranks(_zero3, policy, names, every, str(tmp_path)):
         torch.testing.assert_close(remat[0], plain[0], rtol=1e-6, atol=1e-6)
         for k, v in plain[1].items():
             torch.testing.assert_close(remat[1][k], v, rtol=1e-6, atol=1e-6, msg=k)
@@ -118,14 +123,16 @@ def test_remat_under_megatron_replays_each_regions_dropout(policy):
         assert remat[2] == {"blocks.0": 2, "blocks.1": 2}
 
 
-@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "save_names"])
-def test_remat_of_a_function_replays_dropout(policy):
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "save_names", "offload_names"])
+def test_remat_of_a_function_replays_dropout(tmp_path, policy):
     net = torch.nn.Sequential(
         torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)
     )
     x = torch.randn(6, 4)
     grads = []
-    for fn in (net, sx.remat(net, policy, names=("0",) if policy == "save_names" else ())):
+    names = ("0",) if policy.endswith("_names") else ()
+    kind = f"disk:{tmp_path}" if policy == "offload_names" else "host"
+    for fn in (net, sx.remat(net, policy, names=names, kind=kind)):
         torch.manual_seed(3)
         fn(x).square().sum().backward()
         grads.append([p.grad.clone() for p in net.parameters()])
@@ -155,6 +162,44 @@ def test_save_matmuls_recomputes_attention_that_draws_dropout():
         (aten.mm.default, (q[0, 0], q[0, 0])),
     ):
         assert _save_matmuls(None, op, *args) == CheckpointPolicy.MUST_SAVE
+
+
+class _Counting(TorchDispatchMode):
+    """Counts the linear layers' products that run (forward: ``addmm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.products += func is torch.ops.aten.addmm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("policy", "recomputed"),
+    [("save_nothing", 2), ("save_names", 0), ("offload_names", 0), ("offload_names-disk", 0)],
+)
+def test_offload_names_keeps_the_named_work_elsewhere(tmp_path, policy, recomputed):
+    """``attn``'s two products are not run again in backward (save_nothing
+    runs them again; the recomputation stops before ``mlp``'s, which
+    backward does not need), their outputs kept in host memory or in files:
+    a folder where no file can be made fails the forward, by name."""
+    block = torch.nn.Module()
+    block.attn = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    block.mlp = torch.nn.Linear(4, 4)
+    block.forward = lambda x: block.mlp(torch.relu(block.attn(x))) + x
+    policy, _, disk = policy.partition("-")
+    kind = f"disk:{tmp_path}" if disk else "host"
+    names = ("attn",) if policy != "save_nothing" else ()
+    y = sx.remat(block, policy, names=names, kind=kind)(torch.randn(3, 4, requires_grad=True))
+    with _Counting() as counting:
+        y.sum().backward()
+    assert counting.products == recomputed
+    if disk:
+        bad = sx.remat(block, policy, names=names, kind="disk:/proc/shardax-no-files")
+        with pytest.raises(sx.ShardingError, match="cannot create a file there"):
+            bad(torch.randn(3, 4, requires_grad=True))
 
 
 class _Cached(torch.nn.Module):
@@ -224,9 +269,18 @@ def test_remat_inside_apply_points_to_the_rule():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: sx.Remat("save_all"), r"policy is one of save_nothing, save_matmuls, save_names"),
+        (
+            lambda: sx.Remat("save_all"),
+            r"policy is one of save_nothing, save_matmuls, save_names, offload_names",
+        ),
         (lambda: sx.Remat("save_names"), r"'save_names' keeps .* none given"),
-        (lambda: sx.Remat(names=("attn",)), r"names=\('attn',\) are for policy 'save_names'"),
+        (lambda: sx.Remat(names=("attn",)), r"names=\('attn',\) are for policies 'save_names' and"),
+        (lambda: sx.Remat(kind="disk:/x"), r"kind='disk:/x' is where policy 'offload_names' keeps"),
+        (
+            lambda: sx.Remat("offload_names", names="attn", kind="device"),
+            r"off the device: kind='host' .* or 'disk:PATH'; for the device, policy 'save_names'",
+        ),
+        (lambda: sx.Remat("offload_names", names="attn", kind="nvme"), r"'disk:PATH'.*got 'nvme'"),
         (lambda: sx.Remat(every=0), r"every is a positive number of modules; got 0"),
         (lambda: sx.Remat("save_names", names=("(",)), r"names are regexes"),
         (
