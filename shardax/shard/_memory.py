@@ -18,6 +18,8 @@ two, not the state.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
 import os
@@ -151,7 +153,7 @@ def _disk(folder: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
             os.posix_fallocate(fd, 0, nbytes)  # (a sparse file's first write there: SIGBUS)
         else:
             os.ftruncate(fd, nbytes)
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        tensor = torch.frombuffer(_Mapping.of(fd, nbytes), dtype=dtype)
     except OSError as err:
         raise ShardingError(
             f"memory kind 'disk:{folder}': cannot map {nbytes:,} bytes there ({err}); is the "
@@ -159,10 +161,51 @@ def _disk(folder: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         ) from None
     finally:
         os.close(fd)
-    tensor = torch.frombuffer(mapped, dtype=dtype).view(shape)
-    tensor._shardax_map = mapped  # type: ignore[attr-defined]
+    tensor = tensor.view(shape)
+    tensor._shardax_map = (tensor.data_ptr(), nbytes)  # type: ignore[attr-defined]
     tensor._shardax_kind = f"disk:{folder}"  # type: ignore[attr-defined]
     return tensor
+
+
+class _Mapping:
+    """One shared, writable map of a file, unmapped when the last tensor on
+    it is freed. By libc, not :mod:`mmap`: an ``mmap`` object keeps a
+    descriptor of its file open, and a model's thousands of tensors on disk
+    would reach a 1024-file limit; nor by ``torch.from_file``, whose storage
+    counts as shared memory (``torch.multiprocessing`` then fails to pass
+    it)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.nbytes = address, nbytes
+
+    @classmethod
+    def of(cls, fd: int, nbytes: int) -> Any:
+        """The first ``nbytes`` of file ``fd``, mapped: a ctypes buffer
+        that owns its map."""
+        libc = _libc()
+        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
+        address = libc.mmap(None, nbytes, prot, flags, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        buffer = (ctypes.c_char * nbytes).from_address(address)
+        buffer.owner = cls(address, nbytes)  # type: ignore[attr-defined]
+        return buffer
+
+    def __del__(self) -> None:
+        _libc().munmap(self.address, self.nbytes)
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)  # fmt: skip
+    libc.mmap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.munmap.restype = ctypes.c_int
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise.restype = ctypes.c_int
+    return libc
 
 
 def placed(t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -258,11 +301,14 @@ def detached(t: torch.Tensor) -> torch.Tensor:
 
 
 def _advise(t: torch.Tensor, start: int, count: int, advice: int) -> None:
-    mapped = t._shardax_map  # type: ignore[attr-defined]
-    first = start * t.element_size() // _PAGE * _PAGE
-    end = min(len(mapped), -(-(start + count) * t.element_size() // _PAGE) * _PAGE)
+    base, length = t._shardax_map  # type: ignore[attr-defined]
+    lo = t.data_ptr() + start * t.element_size()
+    first = max(base, lo - (lo - base) % _PAGE)
+    end = min(
+        base + -(-length // _PAGE) * _PAGE, -(-(lo + count * t.element_size()) // _PAGE) * _PAGE
+    )
     if end > first:
-        mapped.madvise(advice, first, end - first)
+        _libc().madvise(first, end - first, advice)
 
 
 def prefetch(t: torch.Tensor, start: int = 0, count: int | None = None) -> None:
