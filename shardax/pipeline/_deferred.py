@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..shard._grad import _Lift
+from ..shard._remat import recomputing
 
 LIFT_NODE = _Lift._backward_cls
 
@@ -114,7 +115,10 @@ class deferring(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if weight.requires_grad or (bias is not None and bias.requires_grad):
-                entry = [_route(weight), _route(bias), None, None]
-                self.store.pending.append(entry)
+                if recomputing():  # rules.remat: saves what the forward saved; its
+                    entry = [None, None, None, None]  # graph is dropped: nothing for W
+                else:
+                    entry = [_route(weight), _route(bias), None, None]
+                    self.store.pending.append(entry)
                 return _Linear.apply(x, weight, bias, entry)
         return func(*args, **kwargs)

@@ -207,7 +207,10 @@ def install(
         inside = under is None or (path.startswith(f"{under}.") if under else bool(path))
         if not matching or not inside:
             continue
-        if mesh is None or streams is None:
+        meshed = ("inputs", "output", "forward", "rng", "rejoin")  # remat needs no mesh
+        if (mesh is None or streams is None) and any(
+            getattr(r, a) for r in matching for a in meshed
+        ):
             raise ShardingError(
                 f"module rule {matching[0]!r} matches {path!r} but no parameter is Sharded: module "
                 "rules run on the parameters' mesh (shard them with shardax.shard or init_params)"

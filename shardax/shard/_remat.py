@@ -365,12 +365,14 @@ def checkpointed(
         args, kwargs = _without_cache(module, forward, args, kwargs)
         restore = record() if record is not None else None
         selective, tracking = spec._selective(module)
+        modes = _function_modes()  # the forward's: backward would run without them
 
         def contexts() -> tuple[Any, Any]:
             if selective is None:
-                return contextlib.nullcontext(), _recomputation(restore, contextlib.nullcontext())
+                inner = contextlib.nullcontext()
+                return contextlib.nullcontext(), _recomputation(restore, inner, modes)
             forward_context, recompute_context = selective()
-            return forward_context, _recomputation(restore, recompute_context)
+            return forward_context, _recomputation(restore, recompute_context, modes)
 
         def body(*a: Any, **k: Any) -> Any:
             with tracking():
@@ -421,16 +423,33 @@ def _without_cache(
 
 
 @contextmanager
-def _recomputation(restore: Callable[[], Any] | None, inner: Any) -> Iterator[None]:
+def _recomputation(
+    restore: Callable[[], Any] | None, inner: Any, modes: tuple[Any, ...] = ()
+) -> Iterator[None]:
     """What a recomputation runs in: :func:`recomputing` true, ``restore()``
     entered first (its gathers are not the region's ops: outside the
-    selective checkpoint's ``inner`` context, which sees every op)."""
+    selective checkpoint's ``inner`` context, which sees every op), and the
+    torch function modes the forward ran under (the autograd engine runs
+    backward without them: a pipeline's split backward defers its linears'
+    weight gradients through one, and the recomputation must save what
+    the forward saved) — those not active already."""
     token = _RECOMPUTING.set(True)
     try:
-        with restore() if restore is not None else contextlib.nullcontext(), inner:
-            yield
+        with contextlib.ExitStack() as stack:
+            active = {id(m) for m in _function_modes()}
+            for mode in modes:
+                if id(mode) not in active:
+                    stack.enter_context(mode)
+            with restore() if restore is not None else contextlib.nullcontext(), inner:
+                yield
     finally:
         _RECOMPUTING.reset(token)
+
+
+def _function_modes() -> tuple[Any, ...]:
+    """The torch function modes active now, outermost first."""
+    stack = getattr(torch.overrides, "_get_current_function_mode_stack", lambda: [])
+    return tuple(stack())
 
 
 class Recompute:

@@ -57,6 +57,9 @@ def _rules(name: str | None) -> Any:
         return sx.rules.ulysses("sp")
     if name == "ulysses+zero3":
         return sx.rules.ulysses("sp") + sx.rules.zero(3, "dp")
+    if name.startswith("remat"):  # "remat", "remat+zero3": the blocks rematerialised
+        rest = name.removeprefix("remat").removeprefix("+")
+        return sx.rules.remat(r"blocks\.\d+") + (_rules(rest) if rest else sx.rules.Rules())
     return sx.rules.zero(int(name.removeprefix("zero")))
 
 
@@ -93,7 +96,8 @@ def _ranked(
         def loss_fn(logits, y):
             return _ce(logits, y.chunk(mesh.size("sp"), dim=1)[mesh.axis_index("sp")])
 
-    extra = {"rules": _rules(rules)} if rules in ("megatron", "ulysses", "ulysses+zero3") else {}
+    module_rules = ("megatron", "ulysses", "ulysses+zero3", "remat", "remat+zero3")
+    extra = {"rules": _rules(rules)} if rules in module_rules else {}
     step = pipeline.value_and_grad(model, loss_fn, schedule, stages, mesh=mesh, **extra)
     opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
     state = opt.init(params)
@@ -199,6 +203,42 @@ def test_zero_bubble_schedules_run_compiled_blocks(name):
     make = functools.partial(_make, name, 2, 8)
     results = run_ranks(_ranked, make, {"pp": 2}, layers, None, 0.0, True)
     _matches(results, layers)
+
+
+def _recomputing(*args: Any) -> tuple[list[float], dict, int]:
+    """``_ranked``, and how many module calls ran in a recomputation."""
+    from shardax.shard._remat import recomputing
+
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += recomputing()
+
+    hook = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        losses, params = _ranked(*args)
+    finally:
+        hook.remove()
+    return losses, params, calls[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "rules"),
+    [("1f1b", {"pp": 2}, "remat"), ("zb_h1", {"pp": 2}, "remat"),
+     ("zb_h1", {"dp": 2, "pp": 2}, "remat+zero3"),
+     pytest.param("zbv", {"pp": 2}, "remat", marks=pytest.mark.slow),
+     pytest.param("dualpipe_v", {"pp": 2}, "remat", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_remat_under_every_kind_of_backward(name, shape, rules):
+    """``rules.remat`` of the blocks: recomputed in each micro-batch's
+    backward — whole (B) or split (I, W: the recomputation defers its
+    linears as the forward did) — and the single-process model's results."""
+    layers = 2 * SCHEDULES[name][1]
+    make = functools.partial(_make, name, 2, 4)
+    world = 4 if "dp" in shape else 2
+    results = run_ranks(_recomputing, make, shape, layers, rules, world_size=world)
+    _matches([(losses, params) for losses, params, _ in results], layers)
+    assert all(calls > 0 for _, _, calls in results)
 
 
 def test_clipping_by_the_whole_pipelines_norm():
