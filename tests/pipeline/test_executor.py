@@ -8,6 +8,7 @@ gradients; bad input is a typed error on every rank."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -57,6 +58,11 @@ def _rules(name: str | None) -> Any:
         return sx.rules.ulysses("sp")
     if name == "ulysses+zero3":
         return sx.rules.ulysses("sp") + sx.rules.zero(3, "dp")
+    if name.startswith("offload+"):  # parameters, gradients and state on disk, in _FOLDER
+        where = f"{_FOLDER[0]}/{os.getpid()}"
+        return _rules(name.removeprefix("offload+")) + sx.rules.offload(
+            OFFLOADED, "disk", path=where
+        )
     if name.startswith("remat"):  # "remat", "remat+zero3": the blocks rematerialised
         rest = name.removeprefix("remat").removeprefix("+")
         return sx.rules.remat(r"blocks\.\d+") + (_rules(rest) if rest else sx.rules.Rules())
@@ -203,6 +209,31 @@ def test_zero_bubble_schedules_run_compiled_blocks(name):
     make = functools.partial(_make, name, 2, 8)
     results = run_ranks(_ranked, make, {"pp": 2}, layers, None, 0.0, True)
     _matches(results, layers)
+
+
+OFFLOADED = ("params", "grads", "opt_state")
+_FOLDER = [""]
+
+
+def _offloaded(folder: str, *args: Any) -> tuple[list[float], dict, list[str]]:
+    """``_ranked`` with ``"offload+..."`` rules in ``folder``; what is left there."""
+    _FOLDER[0] = folder
+    losses, params = _ranked(*args)
+    left = [f for _, _, files in os.walk(folder) for f in files]
+    return losses, params, left
+
+
+@pytest.mark.parametrize(("name", "zero"), [("1f1b", 3), ("zb_h1", 1)])
+def test_offload_under_a_pipeline(tmp_path, name, zero):
+    """Parameters, gradients and optimizer state on disk, dp=2 x pp=2: the
+    single-process model's results; nothing left in the folder."""
+    layers = 2 * SCHEDULES[name][1]
+    make = functools.partial(_make, name, 2, 4)
+    shape = {"dp": 2, "pp": 2}
+    rules = f"offload+zero{zero}"
+    results = run_ranks(_offloaded, str(tmp_path), make, shape, layers, rules, world_size=4)
+    _matches([(losses, params) for losses, params, _ in results], layers)
+    assert all(left == [] for _, _, left in results)
 
 
 def _recomputing(*args: Any) -> tuple[list[float], dict, int]:
