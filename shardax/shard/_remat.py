@@ -235,9 +235,10 @@ class _Offloading(TorchDispatchMode):
         index = self.counts[func]
         self.counts[func] += 1
         if self.policy(None, func, *args, **kwargs) == CheckpointPolicy.MUST_SAVE:
-            self.storage[func, index] = optree.tree_map(
+            kept = optree.tree_map(
                 lambda t: offloaded(t, self.kind) if isinstance(t, torch.Tensor) else t, out
             )
+            self.storage[func, index] = (_signature(args, kwargs), kept)
         return out
 
 
@@ -250,10 +251,25 @@ class _Restoring(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         index = self.counts[func]
         self.counts[func] += 1
-        kept = self.storage.pop((func, index), None)
-        if kept is None:
+        entry = self.storage.pop((func, index), None)
+        if entry is None:
             return func(*args, **(kwargs or {}))
+        signature, kept = entry
+        if _signature(args, kwargs or {}) != signature:
+            raise ShardingError(
+                f"remat offload_names: call {index} of {func} in the recomputation takes "
+                f"{_signature(args, kwargs or {})}, in the forward it took {signature}: the "
+                "region ran differently (state that changed between forward and backward?); "
+                "its kept outputs would be another call's"
+            )
         return optree.tree_map(lambda t: restored(t) if isinstance(t, torch.Tensor) else t, kept)
+
+
+def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of a call's tensor arguments: the forward's and
+    the recomputation's call of a kept op must agree."""
+    leaves = optree.tree_leaves((args, kwargs))
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _computes(op: Any) -> bool:

@@ -202,6 +202,36 @@ def test_offload_names_keeps_the_named_work_elsewhere(tmp_path, policy, recomput
             bad(torch.randn(3, 4, requires_grad=True))
 
 
+class _Switching(torch.nn.Module):
+    """Its ``attn`` reads a flag the caller flips between forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(4, 4)
+        self.attn.register_forward_pre_hook(
+            lambda _, args: (torch.cat([args[0], args[0]]),) if self.wide else args
+        )
+        self.wide = False
+
+    def forward(self, x):
+        return torch.tanh(self.attn(x)).sum(0)
+
+
+def test_a_recomputation_that_runs_differently_is_refused(tmp_path):
+    """offload_names hands back each kept output by its call's place in the
+    forward: a region that runs differently in backward is an error naming
+    the call, not another call's values."""
+    block = _Switching()
+    y = sx.remat(block, "offload_names", names=("attn",), kind=f"disk:{tmp_path}")(
+        torch.randn(3, 4, requires_grad=True)
+    )
+    block.wide = True
+    with pytest.raises(
+        sx.ShardingError, match=r"the recomputation takes .* in the forward it took"
+    ):
+        y.sum().backward()
+
+
 class _Cached(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
