@@ -64,12 +64,14 @@ from .shard import local_sizes as local_sizes
 from .shard import manual_seed as manual_seed
 from .shard import params_of as params_of
 from .shard import plan_transfer as plan_transfer
+from .shard import recomputing as recomputing
 from .shard import remat as remat
 from .shard import reshard as reshard
 from .shard import role_layout as role_layout
 from .shard import shard as shard
 from .shard import transfer as transfer
 from .shard import ulysses_attention as ulysses_attention
+from .shard import uncounted as uncounted
 from .shard import value_and_grad as value_and_grad
 from .shard import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .shard import vocab_parallel_embedding as vocab_parallel_embedding
@@ -125,6 +127,7 @@ __all__ = [
     "pipeline",
     "params_of",
     "plan_transfer",
+    "recomputing",
     "remat",
     "reshard",
     "rules",
@@ -133,6 +136,7 @@ __all__ = [
     "shutdown",
     "transfer",
     "ulysses_attention",
+    "uncounted",
     "value_and_grad",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",

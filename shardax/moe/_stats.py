@@ -15,6 +15,7 @@ import torch
 
 from .. import collectives as C
 from ..mesh._mesh import Mesh
+from ..shard._keep import uncounted
 from ..shard._remat import recomputing
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ def record(plan: Plan, batch: tuple[str, ...]) -> None:
     listener = _ACTIVE.get()
     if listener is None or recomputing():
         return
-    listener.loads.append(plan.load.detach().long())
+    with uncounted():  # not an op of the forward that a remat policy keeps
+        listener.loads.append(plan.load.detach().long())
     listener.dropped.append(plan.dropped)
     if plan.mesh is not None and not listener.batch:
         listener.batch, listener.mesh = batch, plan.mesh

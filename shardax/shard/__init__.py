@@ -20,6 +20,7 @@ from ._apply import apply as apply
 from ._explain import Explanation as Explanation
 from ._explain import explain as explain
 from ._grad import value_and_grad as value_and_grad
+from ._keep import uncounted as uncounted
 from ._layout import Layout as Layout
 from ._matching import Rule as Rule
 from ._matching import Rules as Rules
@@ -35,6 +36,7 @@ from ._plan import Step as Step
 from ._plan import plan_transfer as plan_transfer
 from ._random import manual_seed as manual_seed
 from ._remat import Remat as Remat
+from ._remat import recomputing as recomputing
 from ._remat import remat as remat
 from ._sharded import Sharded as Sharded
 from ._spec import Blocks as Blocks
@@ -75,12 +77,14 @@ __all__ = [
     "manual_seed",
     "params_of",
     "plan_transfer",
+    "recomputing",
     "remat",
     "reshard",
     "role_layout",
     "shard",
     "transfer",
     "ulysses_attention",
+    "uncounted",
     "value_and_grad",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",

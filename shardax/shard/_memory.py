@@ -280,14 +280,17 @@ def kind_of(t: Any) -> str:
     """The memory kind ``t`` lives in: ``"disk:PATH"`` for a disk tensor,
     else ``"host"`` (pinned) or ``"device"``."""
     kind = getattr(t, "_shardax_kind", None)
-    if kind is not None:
+    if kind is not None and (not kind.startswith("disk:") or t.is_meta or is_disk(t)):
         return kind
     return "host" if isinstance(t, torch.Tensor) and t.is_pinned() else "device"
 
 
 def is_disk(t: Any) -> bool:
-    """Whether ``t`` is a disk tensor (:func:`allocate` with a disk kind)."""
-    return getattr(t, "_shardax_map", None) is not None
+    """Whether ``t`` is a disk tensor (:func:`allocate` with a disk kind):
+    marked so, and still on its map — a copy that carried the mark along
+    (``torch.save`` and load, ``copy.deepcopy``, ``share_memory_``) is not."""
+    mapped = getattr(t, "_shardax_map", None)
+    return mapped is not None and t.untyped_storage().data_ptr() == mapped[0]
 
 
 def detached(t: torch.Tensor) -> torch.Tensor:
@@ -301,6 +304,8 @@ def detached(t: torch.Tensor) -> torch.Tensor:
 
 
 def _advise(t: torch.Tensor, start: int, count: int, advice: int) -> None:
+    if not is_disk(t):  # a copy that carried the mark: its pages are its own
+        return
     base, length = t._shardax_map  # type: ignore[attr-defined]
     lo = t.data_ptr() + start * t.element_size()
     first = max(base, lo - (lo - base) % _PAGE)

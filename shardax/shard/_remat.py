@@ -23,7 +23,6 @@ tensors it saves — so parameter gradients reach
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import functools
@@ -35,19 +34,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
-import optree
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint
 
 from ..collectives._agree import moving
 from ..errors import ShardingError
-from ._memory import check_kind, offloaded, release_all, restored
+from ._keep import keeping_contexts, save_matmuls, takes_part
+from ._memory import check_kind, release_all
 from ._placement import role_layout
 from ._sharded import Sharded
 from ._transfer import Batch, transfer_many
@@ -63,16 +57,6 @@ again, the rest is); or that, kept in memory ``kind`` — pinned host memory
 beside a GPU, files on disk — and brought back when backward needs it
 (JAX's ``save_and_offload_only_these_names``)."""
 
-_MATMULS = frozenset(
-    getattr(torch.ops.aten, name)
-    for name in (
-        "mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    )
-    if hasattr(torch.ops.aten, name)
-)  # fmt: skip
-
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "shardax_recomputing", default=False
 )
@@ -81,7 +65,24 @@ _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
 def recomputing() -> bool:
     """Whether backward is recomputing a rematerialised region now — for
     code with side effects beyond its outputs (statistics, counters) that
-    must happen once per forward, not again in backward."""
+    must happen once per forward, not again in backward. Run such code's
+    torch ops under :func:`uncounted`: the policies that keep outputs
+    (``save_matmuls``, ``save_names``, ``offload_names``) hand them back in
+    the forward's order, and ops that run only in the forward would be
+    refused there.
+
+    >>> import torch
+    >>> from shardax import uncounted
+    >>> stats = []
+    >>> def layer(x):
+    ...     if not recomputing():
+    ...         with uncounted():
+    ...             stats.append(x.abs().mean().item())
+    ...     return torch.tanh(x @ x.T)
+    >>> remat(layer, "save_matmuls")(torch.ones(2, 2, requires_grad=True)).sum().backward()
+    >>> stats
+    [1.0]
+    """
     return _RECOMPUTING.get()
 
 
@@ -144,8 +145,8 @@ class Remat:
             )
         if self.kind != "host" and self.policy != "offload_names":
             raise ShardingError(
-                f"remat: kind={self.kind!r} is where policy 'offload_names' keeps what it "
-                f"saves; got policy {self.policy!r}"
+                f"remat: kind= says where policy 'offload_names' keeps what it saves; got "
+                f"kind={self.kind!r} with policy {self.policy!r}"
             )
         if self.kind == "device":
             raise ShardingError(
@@ -171,7 +172,7 @@ class Remat:
         if self.policy == "save_nothing":
             return None, contextlib.nullcontext
         if self.policy == "save_matmuls":
-            return functools.partial(create_selective_checkpoint_contexts, _save_matmuls), (
+            return functools.partial(keeping_contexts, save_matmuls, "device"), (
                 contextlib.nullcontext
             )
         if module is None:
@@ -186,9 +187,8 @@ class Remat:
             )
         depth = [0]
 
-        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            keep = depth[0] and _computes(op)
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        def policy(op: Any, args: Any, kwargs: Any) -> bool:
+            return bool(depth[0]) and takes_part(op, args, kwargs)
 
         @contextmanager
         def tracking() -> Iterator[None]:
@@ -206,108 +206,8 @@ class Remat:
                 for h in hooks:
                     h.remove()
 
-        if self.policy == "offload_names":
-            return functools.partial(_offloading_contexts, policy, self.kind), tracking
-        return functools.partial(create_selective_checkpoint_contexts, policy), tracking
-
-
-def _offloading_contexts(
-    policy: Callable[..., CheckpointPolicy], kind: str
-) -> tuple[TorchDispatchMode, TorchDispatchMode]:
-    """torch's selective checkpoint, with what it saves kept in ``kind``:
-    the forward's mode copies each kept op's output there, the
-    recomputation's returns it (brought back) instead of running the op."""
-    storage: dict[tuple[Any, int], Any] = {}
-    return _Offloading(policy, storage, kind), _Restoring(storage)
-
-
-class _Offloading(TorchDispatchMode):
-    def __init__(
-        self, policy: Callable[..., CheckpointPolicy], storage: dict[Any, Any], kind: str
-    ) -> None:
-        super().__init__()
-        self.policy, self.storage, self.kind = policy, storage, kind
-        self.counts: dict[Any, int] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        index = self.counts[func]
-        self.counts[func] += 1
-        if self.policy(None, func, *args, **kwargs) == CheckpointPolicy.MUST_SAVE:
-            kept = optree.tree_map(
-                lambda t: offloaded(t, self.kind) if isinstance(t, torch.Tensor) else t, out
-            )
-            self.storage[func, index] = (_signature(args, kwargs), kept)
-        return out
-
-
-class _Restoring(TorchDispatchMode):
-    def __init__(self, storage: dict[Any, Any]) -> None:
-        super().__init__()
-        self.storage = storage
-        self.counts: dict[Any, int] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        index = self.counts[func]
-        self.counts[func] += 1
-        entry = self.storage.pop((func, index), None)
-        if entry is None:
-            return func(*args, **(kwargs or {}))
-        signature, kept = entry
-        if _signature(args, kwargs or {}) != signature:
-            raise ShardingError(
-                f"remat offload_names: call {index} of {func} in the recomputation takes "
-                f"{_signature(args, kwargs or {})}, in the forward it took {signature}: the "
-                "region ran differently (state that changed between forward and backward?); "
-                "its kept outputs would be another call's"
-            )
-        return optree.tree_map(lambda t: restored(t) if isinstance(t, torch.Tensor) else t, kept)
-
-
-def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
-    """The shapes and dtypes of a call's tensor arguments: the forward's and
-    the recomputation's call of a kept op must agree."""
-    leaves = optree.tree_leaves((args, kwargs))
-    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _computes(op: Any) -> bool:
-    """Whether ``op``'s output is worth keeping and safe to: not a view,
-    not an in-place op, not a random draw or a fresh buffer (the one filled
-    in place next: a kept tensor must not change)."""
-    schema = op._schema
-    return not (
-        op.is_view
-        or schema.is_mutable
-        or torch.Tag.nondeterministic_seeded in op.tags
-        or schema.name.rpartition("::")[2] in _FRESH
-    )
-
-
-_FRESH = frozenset(
-    f"{name}{tail}"
-    for name in ("empty", "zeros", "ones", "full", "new_empty", "new_zeros", "new_ones", "new_full")
-    for tail in ("", "_like", "_strided")
-)
-
-
-def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    keep = op.overloadpacket in _MATMULS and not _draws(op, args, kwargs)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _draws(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call of a seeded op (attention with dropout) takes
-    random numbers: kept, it would not run again in the recomputation, and
-    every draw after it there would differ from the forward's."""
-    if torch.Tag.nondeterministic_seeded not in op.tags:
-        return False
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.name == "dropout_p":
-            value = args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
-            return bool(value)
-    return True
+        kind = self.kind if self.policy == "offload_names" else "device"
+        return functools.partial(keeping_contexts, policy, kind), tracking
 
 
 _APPLYING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardax_applying", default=False)
@@ -386,9 +286,9 @@ def checkpointed(
         def contexts() -> tuple[Any, Any]:
             if selective is None:
                 inner = contextlib.nullcontext()
-                return contextlib.nullcontext(), _recomputation(restore, inner, modes)
+                return contextlib.nullcontext(), _Recomputation(restore, inner, modes)
             forward_context, recompute_context = selective()
-            return forward_context, _recomputation(restore, recompute_context, modes)
+            return forward_context, _Recomputation(restore, recompute_context, modes)
 
         def body(*a: Any, **k: Any) -> Any:
             with tracking():
@@ -438,28 +338,45 @@ def _without_cache(
     return bound.args, bound.kwargs
 
 
-@contextmanager
-def _recomputation(
-    restore: Callable[[], Any] | None, inner: Any, modes: tuple[Any, ...] = ()
-) -> Iterator[None]:
+class _Recomputation:
     """What a recomputation runs in: :func:`recomputing` true, ``restore()``
     entered first (its gathers are not the region's ops: outside the
     selective checkpoint's ``inner`` context, which sees every op), and the
     torch function modes the forward ran under (the autograd engine runs
     backward without them: a pipeline's split backward defers its linears'
     weight gradients through one, and the recomputation must save what
-    the forward saved) — those not active already."""
-    token = _RECOMPUTING.set(True)
-    try:
-        with contextlib.ExitStack() as stack:
+    the forward saved) — those not active already. Entered again for each
+    recomputation (a second backward through the region)."""
+
+    def __init__(
+        self, restore: Callable[[], Any] | None, inner: Any, modes: tuple[Any, ...] = ()
+    ) -> None:
+        self.restore, self.inner, self.modes = restore, inner, modes
+        self.entered: list[tuple[contextvars.Token[bool], contextlib.ExitStack]] = []
+
+    def __enter__(self) -> None:
+        token = _RECOMPUTING.set(True)
+        stack = contextlib.ExitStack()
+        try:
             active = {id(m) for m in _function_modes()}
-            for mode in modes:
+            for mode in self.modes:
                 if id(mode) not in active:
                     stack.enter_context(mode)
-            with restore() if restore is not None else contextlib.nullcontext(), inner:
-                yield
-    finally:
-        _RECOMPUTING.reset(token)
+            if self.restore is not None:
+                stack.enter_context(self.restore())
+            stack.enter_context(self.inner)
+        except BaseException:
+            stack.close()
+            _RECOMPUTING.reset(token)
+            raise
+        self.entered.append((token, stack))
+
+    def __exit__(self, *exc: Any) -> bool:
+        token, stack = self.entered.pop()
+        try:
+            return bool(stack.__exit__(*exc))
+        finally:
+            _RECOMPUTING.reset(token)
 
 
 def _function_modes() -> tuple[Any, ...]:

@@ -16,7 +16,7 @@ from _tiny import VOCAB, example_gpt
 
 import shardax as sx
 from shardax.optim import _native
-from shardax.shard._memory import allocate, is_disk, prefetch, release
+from shardax.shard._memory import allocate, is_disk, kind_of, prefetch, release
 
 OPT = ("opt_state",)
 BOTH = ("params", "opt_state")
@@ -185,6 +185,27 @@ def test_disk_tensors_hold_no_file_descriptors(tmp_path):
     tensors = [allocate((1024,), torch.float32, f"disk:{tmp_path}") for _ in range(64)]
     assert len(os.listdir("/proc/self/fd")) == before and os.listdir(tmp_path) == []
     assert all(is_disk(t) for t in tensors)
+
+
+def test_a_copy_of_a_disk_tensor_is_not_one(tmp_path):
+    """``torch.save`` and load, deepcopy: the copy carries the disk mark along
+    but lives in RAM — it is not handed back (that would drop its values)."""
+    import copy
+    import io
+
+    t = allocate((1 << 16,), torch.float32, f"disk:{tmp_path}")
+    t.fill_(1.0)
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    buffer.seek(0)
+    del t
+    for c in (
+        torch.load(buffer),
+        copy.deepcopy(allocate((1 << 16,), torch.float32, f"disk:{tmp_path}")),
+    ):
+        c.fill_(1.0)
+        release(c)
+        assert not is_disk(c) and kind_of(c) == "device" and c.sum() == 1 << 16
 
 
 def test_a_disk_tensors_blocks_are_taken_when_it_is_made(tmp_path):

@@ -7,6 +7,8 @@ what a recomputation could not replay is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -143,10 +145,9 @@ def test_remat_of_a_function_replays_dropout(tmp_path, policy):
 
 def test_save_matmuls_recomputes_attention_that_draws_dropout():
     """A kept fused attention with dropout (the CUDA kernels) would not run
-    again in the recomputation, and each draw after it would differ."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from shardax.shard._remat import _save_matmuls
+    again in the recomputation, and each draw after it would differ; one
+    without dropout is kept, by every policy that keeps computations."""
+    from shardax.shard._keep import save_matmuls, takes_part
 
     aten = torch.ops.aten
     q = torch.zeros(1, 1, 2, 2)
@@ -154,14 +155,15 @@ def test_save_matmuls_recomputes_attention_that_draws_dropout():
         (aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.1), {}),
         (aten._scaled_dot_product_efficient_attention.default, (q, q, q, None, True),
          {"dropout_p": 0.1}),
+        (aten.native_dropout.default, (q, 0.1, True), {}),
     ):  # fmt: skip
-        assert _save_matmuls(None, op, *args, **kwargs) == CheckpointPolicy.PREFER_RECOMPUTE
+        assert not save_matmuls(op, args, kwargs) and not takes_part(op, args, kwargs)
     for op, args in (
         (aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q)),
         (aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.0)),
         (aten.mm.default, (q[0, 0], q[0, 0])),
     ):
-        assert _save_matmuls(None, op, *args) == CheckpointPolicy.MUST_SAVE
+        assert save_matmuls(op, args, {}) and takes_part(op, args, {})
 
 
 class _Counting(TorchDispatchMode):
@@ -226,10 +228,69 @@ def test_a_recomputation_that_runs_differently_is_refused(tmp_path):
         torch.randn(3, 4, requires_grad=True)
     )
     block.wide = True
-    with pytest.raises(
-        sx.ShardingError, match=r"the recomputation takes .* in the forward it took"
-    ):
+    with pytest.raises(sx.ShardingError, match=r"kept op 0 is aten.addmm.default of .*\(6, 4\)"):
         y.sum().backward()
+
+
+class _Counted(torch.nn.Module):
+    """A statistic of its input, once per forward (``recomputing()``)."""
+
+    def __init__(self, hidden: bool) -> None:
+        super().__init__()
+        self.lin1, self.lin2, self.hidden = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), hidden
+
+    def forward(self, x):
+        if not sx.recomputing():
+            with sx.uncounted() if self.hidden else contextlib.nullcontext():
+                self.stat = torch.sigmoid(x).mean().item()
+        return self.lin2(torch.sigmoid(self.lin1(x)))
+
+
+@pytest.mark.parametrize("policy", ["save_names", "offload_names"])
+def test_forward_only_code_runs_uncounted_or_is_refused(tmp_path, policy):
+    """Ops that run only in the forward would shift the kept outputs onto
+    other calls (same shapes: the same sigmoid): under ``uncounted`` they
+    are not kept, and the gradients are exact; outside it, refused."""
+    kind = f"disk:{tmp_path}" if policy == "offload_names" else "host"
+    x = torch.randn(3, 4)
+    for hidden in (True, False):
+        torch.manual_seed(0)
+        block = torch.nn.Module()
+        block.attn = _Counted(hidden)
+        block.forward = lambda x, block=block: block.attn(x) * 2
+        grads = []
+        for fn in (block.forward, sx.remat(block, policy, names="attn", kind=kind)):
+            block.zero_grad()
+            try:
+                fn(x).square().sum().backward()
+            except sx.ShardingError as err:
+                assert not hidden and "recomputing() — runs ops the policy keeps" in str(err)
+                break
+            grads.append([p.grad.clone() for p in block.parameters()])
+        else:
+            assert hidden
+            for a, b in zip(*grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "offload_names"])
+def test_a_second_backward_through_a_region(tmp_path, policy):
+    """``retain_graph``: the recomputation runs again, from the start — the
+    kept outputs it handed back are computed again, the rest handed back."""
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    block.attn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    block.forward = lambda x: torch.relu(block.attn(x))
+    names = ("attn",) if policy == "offload_names" else ()
+    kind = f"disk:{tmp_path}" if policy == "offload_names" else "host"
+    x = torch.randn(3, 4, requires_grad=True)
+    want = torch.autograd.grad(block.forward(x).sum(), [x, *block.parameters()])
+    y = sx.remat(block, policy, names=names, kind=kind)(x)
+    first = torch.autograd.grad(y.sum(), [x], retain_graph=True)
+    second = torch.autograd.grad(y.sum(), [x, *block.parameters()])
+    torch.testing.assert_close(first[0], want[0], rtol=0, atol=0)
+    for a, b in zip(second, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 class _Cached(torch.nn.Module):
@@ -305,7 +366,11 @@ def test_remat_inside_apply_points_to_the_rule():
         ),
         (lambda: sx.Remat("save_names"), r"'save_names' keeps .* none given"),
         (lambda: sx.Remat(names=("attn",)), r"names=\('attn',\) are for policies 'save_names' and"),
-        (lambda: sx.Remat(kind="disk:/x"), r"kind='disk:/x' is where policy 'offload_names' keeps"),
+        (lambda: sx.Remat(kind="disk:/x"), r"kind= says where policy 'offload_names' keeps what"),
+        (
+            lambda: sx.Remat("save_names", names="a", kind="device"),
+            r"got kind='device' with policy",
+        ),
         (
             lambda: sx.Remat("offload_names", names="attn", kind="device"),
             r"off the device: kind='host' .* or 'disk:PATH'; for the device, policy 'save_names'",
