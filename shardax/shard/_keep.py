@@ -159,13 +159,16 @@ def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
 
 
 def takes_part(op: Any, args: Any = (), kwargs: Any = None) -> bool:
-    """Whether ``op``'s output is worth keeping and safe to: not a view,
-    not an in-place op, not a random draw (attention without dropout is
-    kept) or a fresh buffer (the one filled in place next: a kept tensor
+    """Whether ``op``'s output is worth keeping and safe to: an ATen op (a
+    collective — ``c10d``'s, which its schema calls pure — runs again on
+    every rank alike, and its output is final only once waited on), not a
+    view, not an in-place op, not a random draw (attention without dropout
+    is kept) or a fresh buffer (the one filled in place next: a kept tensor
     must not change)."""
     schema = op._schema
     return not (
-        op.is_view
+        not schema.name.startswith("aten::")
+        or op.is_view
         or schema.is_mutable
         or _draws(op, args, kwargs or {})
         or schema.name.rpartition("::")[2] in _FRESH

@@ -143,10 +143,11 @@ def test_remat_of_a_function_replays_dropout(tmp_path, policy):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_save_matmuls_recomputes_attention_that_draws_dropout():
+def test_what_the_policies_keep():
     """A kept fused attention with dropout (the CUDA kernels) would not run
     again in the recomputation, and each draw after it would differ; one
-    without dropout is kept, by every policy that keeps computations."""
+    without dropout is kept, by every policy that keeps computations. A
+    collective is never kept: it runs again on every rank alike."""
     from shardax.shard._keep import save_matmuls, takes_part
 
     aten = torch.ops.aten
@@ -156,6 +157,8 @@ def test_save_matmuls_recomputes_attention_that_draws_dropout():
         (aten._scaled_dot_product_efficient_attention.default, (q, q, q, None, True),
          {"dropout_p": 0.1}),
         (aten.native_dropout.default, (q, 0.1, True), {}),
+        (torch.ops.c10d.allreduce_.default, (), {}),
+        (torch.ops._c10d_functional.all_reduce.default, (q, "sum", "0"), {}),
     ):  # fmt: skip
         assert not save_matmuls(op, args, kwargs) and not takes_part(op, args, kwargs)
     for op, args in (
