@@ -145,13 +145,19 @@ def _resident_kib(t):
     raise AssertionError("no mapping holds the tensor")
 
 
-def _resident_after_a_step(folder):
+def _zero3_gpt(roles, folder):
+    """The example GPT under ZeRO-3 on dp=2, ``roles`` on disk in ``folder``:
+    ``(mesh, this rank, model, rules, params)``."""
     mesh = sx.Mesh({"dp": 2})
     me = mesh.axis_index("dp")
     torch.manual_seed(0)
     model = example_gpt()
-    rules = sx.rules.zero(3, "dp") + sx.rules.offload("params", "disk", path=f"{folder}/{me}")
-    params = sx.shard(sx.params_of(model), mesh, rules)
+    rules = sx.rules.zero(3, "dp") + sx.rules.offload(roles, "disk", path=f"{folder}/s{me}")
+    return mesh, me, model, rules, sx.shard(sx.params_of(model), mesh, rules)
+
+
+def _resident_after_a_step(folder):
+    _, me, model, _, params = _zero3_gpt("params", folder)
     x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(me))
     shards = {k: v.local for k, v in params.items()}
     before = sum(_resident_kib(t) for t in shards.values())
@@ -242,12 +248,7 @@ def test_bad_offload_settings_are_named(call, match):
 
 
 def _checkpoint(folder):
-    mesh = sx.Mesh({"dp": 2})
-    me = mesh.axis_index("dp")
-    torch.manual_seed(0)
-    model = example_gpt()
-    rules = sx.rules.zero(3, "dp") + sx.rules.offload("opt_state", "disk", path=f"{folder}/s{me}")
-    params = sx.shard(sx.params_of(model), mesh, rules)
+    mesh, _, _, rules, params = _zero3_gpt("opt_state", folder)
     opt = sx.optim.adamw(1e-2)
     state = opt.init(params)
     grads = {k: v.with_local(torch.full_like(v.local, 0.5)) for k, v in params.items()}
