@@ -83,7 +83,7 @@ class _Kept:
     def __init__(self, func: Any, signature: tuple[Any, ...], out: Any, kind: str) -> None:
         self.func, self.signature = func, signature
         self.value = optree.tree_map(
-            lambda t: (t.detach() if kind == "device" else offloaded(t, kind))
+            lambda t: (_detached(t) if kind == "device" else offloaded(_detached(t), kind))
             if isinstance(t, torch.Tensor) else t,
             out,
         )  # fmt: skip
@@ -103,6 +103,15 @@ class _Kept:
         )
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` that shares ``t``'s version counter — inside a
+    dispatch mode a plain detach gets its own, and an in-place change of
+    the kept output in the forward would go unseen (as torch's selective
+    checkpoint does it)."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
 _CONSUMED = object()
 
 
@@ -110,6 +119,10 @@ class _Keeping(TorchDispatchMode):
     def __init__(self, policy: Callable[..., bool], kept: list[Any], kind: str) -> None:
         super().__init__()
         self.policy, self.kept, self.kind = policy, kept, kind
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled code inside a region stays compiled (as under torch's own)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -124,6 +137,10 @@ class _Replaying(TorchDispatchMode):
         super().__init__()
         self.policy, self.kept = policy, kept
         self.position = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __enter__(self) -> Any:
         self.position = 0  # each recomputation (a second backward: another) from the start
@@ -155,7 +172,11 @@ def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
     """The shapes and dtypes of a call's tensor arguments: the forward's and
     the recomputation's call of a kept op must agree."""
     leaves = optree.tree_leaves((args, kwargs))
-    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+    return tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+        for t in leaves
+        if isinstance(t, (torch.Tensor, bool, int, float, str, torch.dtype))
+    )
 
 
 def takes_part(op: Any, args: Any = (), kwargs: Any = None) -> bool:
@@ -187,7 +208,11 @@ _FRESH = frozenset(
 
 
 def save_matmuls(op: Any, args: Any, kwargs: Any) -> bool:
-    return op.overloadpacket in _MATMULS and not _draws(op, args, kwargs)
+    return (
+        op.overloadpacket in _MATMULS
+        and not op._schema.is_mutable  # mm.out: the caller's buffer
+        and not _draws(op, args, kwargs)
+    )
 
 
 def _draws(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -227,9 +227,9 @@ def offloaded(t: torch.Tensor, kind: str) -> torch.Tensor:
     :func:`restored` brings back to ``t``'s device — with ``t``'s strides
     (code after it takes the same paths: a reshape that copied copies
     again). ``t`` itself where it is not dense (its strides leave gaps)."""
-    t = t.detach()
     if not _dense(t):
         return t
+    t = t.detach()
     if kind == "host":
         out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=t.is_cuda)
         out.copy_(t, non_blocking=t.is_cuda)

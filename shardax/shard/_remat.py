@@ -448,6 +448,8 @@ class Recompute:
             value = (next(values) if isinstance(x, Sharded) else x).detach()
             if grad:
                 value.requires_grad_(True)
+                if isinstance(x, Sharded):  # not a leaf, as in the forward (lifted): autocast
+                    value = value.view_as(value)  # casts it at each use there, so here too
             for module, name, is_param in where:
                 table = module._parameters if is_param else module._buffers
                 originals.append((table, name, table[name]))

@@ -296,6 +296,74 @@ def test_a_second_backward_through_a_region(tmp_path, policy):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class _Doubling(torch.nn.Module):
+    """Changes its linear's output in place after the linear made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.attn(x)
+        h.mul_(2)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("policy", ["save_matmuls", "save_names", "offload_names"])
+def test_a_kept_output_changed_in_place_is_refused_or_copied(tmp_path, policy):
+    """Kept where it is (on the device), the recomputation would double it
+    again: refused, by name. Kept as a copy (offload_names), exact."""
+    x = torch.randn(3, 4)
+    block = _Doubling()
+    want = torch.autograd.grad(block(x).sum(), list(block.parameters()))
+    names = ("attn",) if policy != "save_matmuls" else ()
+    kind = f"disk:{tmp_path}" if policy == "offload_names" else "host"
+    y = sx.remat(block, policy, names=names, kind=kind)(x)
+    if policy == "offload_names":
+        got = torch.autograd.grad(y.sum(), list(block.parameters()))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    else:
+        with pytest.raises(sx.ShardingError, match=r"addmm.default that the policy keeps was chan"):
+            y.sum().backward()
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+        for block in self.blocks:
+            block.attn = torch.nn.Linear(8, 8)
+            block.forward = lambda x, b=block: torch.tanh(b.attn(torch.tanh(b.attn(x)))) + x
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.float().square().mean()
+
+
+@pytest.mark.parametrize(
+    ("policy", "names"),
+    [("save_nothing", ()), ("save_matmuls", ()), ("save_names", ("attn",)),
+     ("offload_names", ("attn",))],
+)  # fmt: skip
+def test_remat_under_autocast_with_a_weight_used_twice(policy, names):
+    """ZeRO-3 under bf16 autocast: the forward's parameters are lifted (not
+    leaves: cast at each use), and so are the recomputation's — the same
+    casts, in the same order."""
+    torch.manual_seed(0)
+    model, x = _Twice(), torch.randn(4, 8)
+    mesh = sx.Mesh({"dp": 1})
+    grads = []
+    for extra in (sx.rules.Rules(), sx.rules.remat(r"blocks\.\d+", policy, names=names)):
+        params = sx.shard(sx.params_of(model), mesh, sx.rules.zero(3, "dp") + extra)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, g = sx.value_and_grad(lambda p: sx.apply(model, p, x))(params)
+        grads.append({k: sx.gather(v) for k, v in g.items()})
+    for k, v in grads[0].items():
+        torch.testing.assert_close(grads[1][k], v, rtol=0, atol=0, msg=k)
+
+
 class _Cached(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
