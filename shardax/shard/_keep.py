@@ -152,9 +152,9 @@ class _Replaying(TorchDispatchMode):
             return func(*args, **kwargs)
         i, self.position = self.position, self.position + 1
         entry = self.kept[i] if i < len(self.kept) else None
-        signature = _signature(args, kwargs)
         if entry is _CONSUMED:  # handed back already: a second backward computes it again
             return func(*args, **kwargs)
+        signature = _signature(args, kwargs)
         if entry is None or entry.func != func or entry.signature != signature:
             forward = "nothing more" if entry is None else f"{entry.func} of {entry.signature}"
             raise ShardingError(

@@ -226,8 +226,9 @@ def offloaded(t: torch.Tensor, kind: str) -> torch.Tensor:
     copied asynchronously, beside a GPU) or ``"disk:PATH"`` — that
     :func:`restored` brings back to ``t``'s device — with ``t``'s strides
     (code after it takes the same paths: a reshape that copied copies
-    again). ``t`` itself where it is not dense (its strides leave gaps)."""
-    if not _dense(t):
+    again). ``t`` itself where it is not dense (its strides leave gaps), or
+    where ``"host"`` is where it is already (a CPU tensor)."""
+    if not _dense(t) or (kind == "host" and not t.is_cuda):
         return t
     t = t.detach()
     if kind == "host":

@@ -180,6 +180,10 @@ class ModuleRule:
         return f"ModuleRule({', '.join(parts)})"
 
 
+_MESHED = ("inputs", "output", "forward", "rng", "rejoin")
+"""The aspects of a module rule that need the parameters' mesh (remat does not)."""
+
+
 def install(
     model: nn.Module,
     rules: Sequence[ModuleRule],
@@ -207,9 +211,8 @@ def install(
         inside = under is None or (path.startswith(f"{under}.") if under else bool(path))
         if not matching or not inside:
             continue
-        meshed = ("inputs", "output", "forward", "rng", "rejoin")  # remat needs no mesh
         if (mesh is None or streams is None) and any(
-            getattr(r, a) for r in matching for a in meshed
+            getattr(r, a) for r in matching for a in _MESHED
         ):
             raise ShardingError(
                 f"module rule {matching[0]!r} matches {path!r} but no parameter is Sharded: module "

@@ -405,6 +405,7 @@ class Recompute:
         self.needs_grad = needs_grad
         self.calls: list[tuple[str, list[tuple[Any, Any, bool]]]] = []
         self.ahead: dict[int, Batch] = {}
+        self._closing = -1  # the backward that finishes what was prefetched
         self._slots: dict[int, list[tuple[Any, Any, bool]]] = {}
 
     def slots(self, module: nn.Module) -> list[tuple[Any, Any, bool]]:
@@ -441,7 +442,9 @@ class Recompute:
         values = iter(gathered.wait())
         if self.prefetch and i > 0 and i - 1 not in self.ahead:
             self.ahead[i - 1] = self._gather(i - 1)
-            if torch._C._current_graph_task_id() != -1:  # a backward without a tape, too
+            task = torch._C._current_graph_task_id()
+            if task != -1 and task != self._closing:  # a backward without a tape, too
+                self._closing = task
                 torch.autograd.Variable._execution_engine.queue_callback(self.close)
         originals = []
         for x, where, grad in slots:
