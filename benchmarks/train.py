@@ -31,7 +31,11 @@ once per mode:
 - ``shardax-tp``, ``shardax-tp-sp``: ``sx.rules.megatron`` over every rank
   (``tp`` = ``--nproc``), without and with sequence parallelism; the ranks
   share one global batch (the same tokens per step as the other modes) and
-  the loss is ``sx.vocab_parallel_cross_entropy``. These rows also carry
+  the head hands back its marked piece of the vocabulary (``logits=
+  "vocab_parallel"``) to ``sx.vocab_parallel_cross_entropy``;
+  ``shardax-tp-whole``: the same with the default head, whose logits are
+  gathered whole on every rank for a plain ``F.cross_entropy`` (one more
+  all-gather, and the whole logits' memory). These rows also carry
   the communication of one step (``sx.collectives.traffic()``, by op) and
   check it against Megatron's formula: per layer and step, 4 all-reduces of
   ``b·s·h`` (2 forward, 2 backward), which sequence parallelism replaces by
@@ -40,7 +44,8 @@ once per mode:
   parallelism is not expected to be faster;
 - ``shardax-ulysses``: ``sx.rules.ulysses`` over every rank (``sp`` =
   ``--nproc``): the shared global batch split over the sequence, all-to-alls
-  around attention, each rank's loss on its positions;
+  around attention, the sequence gathered where the head starts and a plain
+  loss on the whole logits;
 - ``shardax3-unchecked``, ``shardax3-gloo``, ``shardax3-gloo-unchecked``:
   ``shardax3`` without the collectives' signature check
   (``SHARDAX_CHECK_COLLECTIVES=0``), on gloo instead of shared memory
@@ -147,12 +152,14 @@ ALL_MODES = [
     *(f"shardax{s}" for s in range(4)),
     "shardax-tp",
     "shardax-tp-sp",
+    "shardax-tp-whole",
     "shardax-ulysses",
     *VARIANTS,
     *MEMORY_MODES,
     *DEEPSPEED_OFFLOAD,
 ]
 ANCHORS = ["fsdp2", "deepspeed3", "deepspeed2", "shardax3"]
+TENSOR_PARALLEL = ("shardax-tp", "shardax-tp-sp", "shardax-tp-whole")
 LOSS_TOLERANCE = 1e-4
 TIMEOUT_S = 300.0
 
@@ -319,26 +326,28 @@ def setup_shardax(stage: int, cfg: GPTConfig, seed: int) -> Step:
     return _shardax_step(cfg, seed, sx.Mesh({"dp": -1}), sx.rules.zero(stage, axis="dp"), _loss)
 
 
-def setup_tensor_parallel(cfg: GPTConfig, seed: int, sequence_parallel: bool) -> Step:
-    """shardax ``rules.megatron`` over all ranks (``tp``), the vocab-parallel loss."""
+def setup_tensor_parallel(
+    cfg: GPTConfig, seed: int, sequence_parallel: bool, whole: bool = False
+) -> Step:
+    """shardax ``rules.megatron`` over all ranks (``tp``): the vocab-parallel
+    loss on the head's marked piece, or (``whole``) a plain loss on the
+    whole logits the default head gathers."""
     mesh = sx.Mesh({"tp": -1})
-    rules = sx.rules.megatron("tp", sequence_parallel=sequence_parallel)
+    logits = "gather" if whole else "vocab_parallel"
+    rules = sx.rules.megatron("tp", sequence_parallel=sequence_parallel, logits=logits)
+    if whole:
+        return _shardax_step(cfg, seed, mesh, rules, _loss)
 
-    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
+    def loss(logits: sx.Sharded, y: torch.Tensor) -> torch.Tensor:
+        return sx.vocab_parallel_cross_entropy(logits, y)
 
     return _shardax_step(cfg, seed, mesh, rules, loss)
 
 
 def setup_ulysses(cfg: GPTConfig, seed: int) -> Step:
-    """shardax ``rules.ulysses`` over all ranks (``sp``): each rank's loss on its positions."""
-    mesh = sx.Mesh({"sp": -1})
-    size, index = mesh.size("sp"), mesh.axis_index("sp")
-
-    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return _loss(logits, y.chunk(size, dim=1)[index])
-
-    return _shardax_step(cfg, seed, mesh, sx.rules.ulysses("sp"), loss)
+    """shardax ``rules.ulysses`` over all ranks (``sp``): the whole sequence's
+    logits on every rank (gathered where the head starts), a plain loss."""
+    return _shardax_step(cfg, seed, sx.Mesh({"sp": -1}), sx.rules.ulysses("sp"), _loss)
 
 
 def megatron_check(traffic: Any, cfg: GPTConfig, tokens: int, world: int, sp: bool) -> dict:
@@ -380,8 +389,10 @@ def setup(mode: str, cfg: GPTConfig, seed: int, micro_batch: int) -> Step:
         return setup_deepspeed(int(mode[-1]), cfg, seed, micro_batch)
     if mode in MEMORY_MODES:
         return setup_memory(cfg, seed, **MEMORY_MODES[mode])
-    if mode in ("shardax-tp", "shardax-tp-sp"):
-        return setup_tensor_parallel(cfg, seed, sequence_parallel=mode.endswith("-sp"))
+    if mode in TENSOR_PARALLEL:
+        return setup_tensor_parallel(
+            cfg, seed, sequence_parallel=mode.endswith("-sp"), whole=mode.endswith("-whole")
+        )
     if mode == "shardax-ulysses":
         return setup_ulysses(cfg, seed)
     if mode.startswith("shardax"):
@@ -505,7 +516,7 @@ def worker(args: argparse.Namespace) -> int:
     rss_start = peak_rss_mib()
     cfg = config_from(args)
     tokens = load_tokens(Path(args.data), cfg.vocab_size)
-    tensor_parallel = mode in ("shardax-tp", "shardax-tp-sp")
+    tensor_parallel = mode in TENSOR_PARALLEL
     shared = tensor_parallel or mode == "shardax-ulysses"  # the ranks split one batch's model work
     batch_at = partial(
         batch,

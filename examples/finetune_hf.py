@@ -14,11 +14,13 @@ DIR`` (a local Hugging Face folder: config.json and weights), the weights
 are loaded and sharded, and the folder's tokenizer is used when it has one.
 
 The steps, as a user writes them: ``rules.zero(3) + rules.megatron("tp",
-names="auto")``; ``sx.shard``/``sx.init_params``; a train loop of
+names="auto", logits="vocab_parallel")`` (the head hands back its piece of
+the vocabulary, marked, for ``sx.vocab_parallel_cross_entropy``; without
+``logits=`` the logits come back whole); ``sx.shard``/``sx.init_params``; a train loop of
 ``value_and_grad`` and ``optim.fused_step`` (buffers need no handling); a sharded
 checkpoint with the model's metadata; ``ckpt.consolidate(..., hf=True)``
 into ``--out/hf``; and ``AutoModelForCausalLM.from_pretrained`` on it,
-whose logits rank 0 compares with the sharded model's.
+whose logits rank 0 compares with the sharded model's (``sx.gather``-ed).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _, _, _, seq_len, batch, steps = SIZES["smoke" if args.smoke else "small"]
     steps, batch = args.steps or steps, args.batch_size or batch
 
-    rules = sx.rules.zero(3, "dp") + sx.rules.megatron("tp", names="auto")
+    rules = sx.rules.zero(3, "dp") + sx.rules.megatron("tp", names="auto", logits="vocab_parallel")
     model, params, data = model_and_data(args, seq_len, mesh, rules)
     n = sum(torch.Size(x.shape).numel() for x in params.values())
     say(f"{mesh}: {type(model).__name__}, {n / 1e6:.2f}M values, ZeRO-3 over dp, Megatron over tp")
@@ -120,8 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opt_state = opt.init(params)
 
     def loss_fn(p: dict, b: dict) -> torch.Tensor:
-        logits = sx.apply(model, p, b["x"]).logits  # this rank's piece of the vocabulary
-        return sx.vocab_parallel_cross_entropy(logits, b["y"], "tp", mesh=mesh)
+        logits = sx.apply(model, p, b["x"]).logits  # this rank's piece of the vocabulary, marked
+        return sx.vocab_parallel_cross_entropy(logits, b["y"])
 
     grad_fn = sx.value_and_grad(loss_fn)
     sampler = sx.data.Sampler(len(data), batch, mesh, P("dp"), seed=args.seed)
@@ -146,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     model.eval()  # no dropout: the same function as the reloaded model's
     with torch.no_grad():
-        ours = sx.collectives.all_gather(sx.apply(model, params, x).logits, "tp", -1, mesh=mesh)
+        ours = sx.gather(sx.apply(model, params, x).logits)  # the whole vocabulary's
     if info.rank == 0:
         from transformers import AutoModelForCausalLM
 

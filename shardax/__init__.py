@@ -33,6 +33,7 @@ from .errors import LaunchError as LaunchError
 from .errors import MeshError as MeshError
 from .errors import ScheduleError as ScheduleError
 from .errors import ShardingError as ShardingError
+from .errors import SplitTensorError as SplitTensorError
 from .errors import UnmatchedRulesWarning as UnmatchedRulesWarning
 from .errors import UnshardedWeightWarning as UnshardedWeightWarning
 from .mesh import AbstractMesh as AbstractMesh
@@ -53,6 +54,7 @@ from .shard import Remat as Remat
 from .shard import Rule as Rule
 from .shard import Rules as Rules
 from .shard import Sharded as Sharded
+from .shard import SplitOutput as SplitOutput
 from .shard import Step as Step
 from .shard import apply as apply
 from .shard import blocks as blocks
@@ -106,7 +108,9 @@ __all__ = [
     "Rule",
     "Rules",
     "ShardingError",
+    "SplitTensorError",
     "Sharded",
+    "SplitOutput",
     "UnmatchedRulesWarning",
     "UnshardedWeightWarning",
     "apply",

@@ -25,6 +25,7 @@ __all__ = [
     "MeshError",
     "ScheduleError",
     "ShardingError",
+    "SplitTensorError",
     "USER_ERRORS",
     "UnmatchedRulesWarning",
     "UnshardedWeightWarning",
@@ -34,6 +35,18 @@ __all__ = [
 
 class ShardingError(ValueError):
     """A spec, layout or rule that does not fit a tensor or a mesh."""
+
+
+class SplitTensorError(ShardingError, TypeError, AttributeError):
+    """A :class:`shardax.Sharded` value — one rank's piece of a tensor split
+    over mesh axes — used where a whole tensor is needed: a torch function,
+    a tensor method, indexing or arithmetic. The message names the call,
+    the piece's and the whole tensor's shapes, the layout and the fix:
+    :func:`shardax.gather` for the whole tensor, or a function that computes
+    on the pieces (:func:`shardax.vocab_parallel_cross_entropy` for logits
+    split over the vocabulary). It is also a ``TypeError`` (what torch
+    raises for an argument of the wrong type) and an ``AttributeError``
+    (``hasattr`` stays False for tensor methods)."""
 
 
 class UnmatchedRulesWarning(UserWarning):

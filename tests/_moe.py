@@ -65,11 +65,13 @@ def on_mesh(
     if "tp" in shape:
         # every weight matrix split over tp or whole on purpose (the router): no warning
         warnings.simplefilter("error", sx.UnshardedWeightWarning)
-        rules = sx.rules.experts("ep", tp="tp", **moe) + sx.rules.megatron("tp", names="auto")
+        rules = sx.rules.experts("ep", tp="tp", **moe) + sx.rules.megatron(
+            "tp", names="auto", logits="vocab_parallel"
+        )
 
         def loss(p, x, y):
-            logits = sx.apply(model, p, x).logits  # this rank's piece of the vocabulary
-            return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
+            logits = sx.apply(model, p, x).logits  # this rank's piece of the vocabulary, marked
+            return sx.vocab_parallel_cross_entropy(logits, y)
 
     else:
         rules = sx.rules.experts("ep", **moe)

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # cost, glibc's malloc) with pytest -m slow.
 SMOKE_MODES = {"limit", "ddp", "fsdp2", "shardax3", "shardax-tp"}
 OTHER_MODES = {"fsdp2-script", "shardax0", "shardax1", "shardax2", "shardax-tp-sp"}
+OTHER_MODES |= {"shardax-tp-whole"}
 OTHER_MODES |= {"shardax-ulysses"}
 VARIANTS = {"shardax3-unchecked", "shardax3-gloo", "shardax3-gloo-unchecked", "fsdp2-glibc"}
 
@@ -62,12 +63,14 @@ def _check(header: dict, rows: list[dict], summary: dict, result: dict) -> dict:
         check_training_row(r, header)
         if r["mode"].startswith("shardax"):
             assert r["comm_per_step"], r["mode"]  # one step's collectives, by op
-        if r["mode"] in ("shardax-tp", "shardax-tp-sp"):
+        if r["mode"] in ("shardax-tp", "shardax-tp-sp", "shardax-tp-whole"):
             check = r["megatron"]  # the activation collectives: Megatron's count and bytes
             assert check["matches"], check
             ops = r["comm_per_step"]
             if r["mode"] == "shardax-tp":
                 assert "psum over tp" in ops and "all_gather over tp" not in ops
+            elif r["mode"] == "shardax-tp-whole":  # the head's logits gathered
+                assert "psum over tp" in ops and "all_gather over tp" in ops
             else:
                 assert "all_gather over tp" in ops and "psum_scatter over tp" in ops
         if r["mode"] == "shardax-ulysses":

@@ -6,7 +6,7 @@ from typing import Literal
 
 from ..errors import ShardingError
 from ..shard._matching import Rule, Rules
-from ..shard._modules import ModuleRule, Relayout
+from ..shard._modules import ModuleRule, Relayout, SplitOutput
 from ..shard._spec import P, blocks
 from ..shard._tensor_parallel import local_sizes, vocab_parallel_embedding
 from ._names import GPT_NAMES, TransformerNames, auto
@@ -19,6 +19,7 @@ def megatron(
     *,
     sequence_parallel: bool = False,
     names: TransformerNames | Literal["auto"] = GPT_NAMES,
+    logits: Literal["gather", "vocab_parallel"] = "gather",
 ) -> Rules:
     """Megatron-LM's tensor parallelism (Shoeybi et al., 2019, "Megatron-LM:
     Training Multi-Billion Parameter Language Models Using Model
@@ -30,7 +31,7 @@ def megatron(
     column          ``P(tp, None)``     ``P(tp)``       split on features
     row             ``P(None, tp)``     added once      ``psum`` over tp
     vocab (embed)   ``P(tp, None)``     —               ``psum`` over tp
-    head            ``P(tp, None)``     ``P(tp)``       split on vocabulary
+    head            ``P(tp, None)``     ``P(tp)``       gathered (``logits``)
     ==============  ==================  ==============  ====================
 
     Everything else (norms, position embeddings) stays replicated. Dropout
@@ -41,8 +42,7 @@ def megatron(
     after the MLP) and their transposes in backward — Megatron's four.
     Attention must take its head count from the width it is given (``qkv``
     laid out head-major, see ``examples/gpt.py``; or ``names.packed`` and
-    ``attention_sizes``, as for GPT-2); the loss of split logits is
-    :func:`shardax.vocab_parallel_cross_entropy`. Split dims must divide
+    ``attention_sizes``, as for GPT-2). Split dims must divide
     evenly. ``names.transposed`` (``Conv1D``'s ``[in, out]`` weights) swaps
     the column and row weights' specs. Compose with ``rules.zero(stage,
     "dp")`` for dp × tp.
@@ -58,6 +58,17 @@ def megatron(
     error with ``strict``), except those in ``names.replicated`` or an
     explicit rule of yours such as ``Rule(r"extra\\.weight", P()) +
     megatron(...)``.
+
+    ``logits``: what the head's output, split over the vocabulary, becomes.
+    ``"gather"`` (the default) all-gathers it, so what the model returns
+    has its own shape on every rank: a plain ``F.cross_entropy``, Hugging
+    Face's ``labels=``, sampling and ``generate()`` give the single-process
+    values (Hugging Face's ``colwise_rep`` head, Megatron's
+    ``gather_output``). ``"vocab_parallel"`` hands back this rank's piece
+    *marked* — a :class:`shardax.Sharded` split over ``tp`` on the last
+    dim — for :func:`shardax.vocab_parallel_cross_entropy`, which never
+    builds the whole logits (``1/tp`` of their memory); any plain torch op
+    on it is a :class:`shardax.SplitTensorError`, never a number.
 
     ``sequence_parallel`` (Korthikanti et al., 2022, "Reducing Activation
     Recomputation in Large Transformer Models"): between the tensor-parallel
@@ -79,17 +90,28 @@ def megatron(
     [P('tp', None), P(None, 'tp')]
     >>> rules.match("blocks.0.mlp.proj.bias").partial
     ('tp',)
+    >>> [r.output for r in rules.modules if r.pattern == "lm_head"]
+    [SplitOutput('tp')]
+    >>> fast = sx.rules.megatron("tp", logits="vocab_parallel")
+    >>> [r.output for r in fast.modules if r.pattern == "lm_head"]
+    [SplitOutput('tp', gather=False)]
     >>> auto = sx.rules.megatron("tp", names="auto")
     >>> paths = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
     ...          "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"]
     >>> auto.resolve(paths).match("model.layers.0.self_attn.o_proj.weight").spec
     P(None, 'tp')
     """
+    if logits not in ("gather", "vocab_parallel"):
+        raise ShardingError(
+            f"rules.megatron(logits={logits!r}): 'gather' (whole logits on every rank) or "
+            "'vocab_parallel' (a marked piece for shardax.vocab_parallel_cross_entropy)"
+        )
     if isinstance(names, str) and names == "auto":
         sp = ", sequence_parallel=True" if sequence_parallel else ""
+        fast = f", logits={logits!r}" if logits != "gather" else ""
         return auto(
-            lambda n: megatron(tp, sequence_parallel=sequence_parallel, names=n),
-            f"megatron({tp!r}{sp}, names='auto')",
+            lambda n: megatron(tp, sequence_parallel=sequence_parallel, names=n, logits=logits),
+            f"megatron({tp!r}{sp}, names='auto'{fast})",
         )
     if not isinstance(names, TransformerNames):
         raise ShardingError(f"names is a TransformerNames or 'auto'; got {names!r}")
@@ -132,6 +154,7 @@ def megatron(
     if names.head is not None:
         entries.append(Rule(rf"({names.head})\.weight", P(tp, None)))
         entries.append(Rule(rf"({names.head})\.bias", P(tp)))
+        entries.append(ModuleRule(names.head, output=SplitOutput(tp, gather=logits == "gather")))
     if names.replicated is not None:  # whole on purpose: no UnshardedWeightWarning
         entries.append(Rule(rf"({names.replicated})\.[^.]+", P()))
     if gather and names.final is not None:

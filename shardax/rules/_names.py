@@ -26,8 +26,9 @@ class TransformerNames:
     ``tp`` (attention q/k/v or a fused qkv laid out head-major, MLP up and
     gate); ``row`` — linears whose input features split (attention output,
     MLP down), whose partial outputs are summed; ``vocab`` — the token
-    embedding, split over the vocabulary; ``head`` — the LM head, its logits
-    split over the vocabulary (a head tied to the embedding shares its
+    embedding, split over the vocabulary; ``head`` — the LM head, its weight
+    split over the vocabulary and its logits gathered whole (or marked:
+    ``rules.megatron(..., logits=)``) (a head tied to the embedding shares its
     weight and split); ``positions`` — a learned position embedding whose
     output ``[1, T, d]`` (or ``[B, T, d]``: the sequence on dim 1) is added to the token embeddings (split over the
     sequence under sequence parallelism); ``attention_in`` — the

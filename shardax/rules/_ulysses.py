@@ -35,11 +35,10 @@ def ulysses(sp: str = "sp", *, names: TransformerNames | Literal["auto"] = GPT_N
     ``attention_out``   in ``P(None, None, sp)``   ``P(None, sp)``: sequence
     ==================  =========================  ===========================
 
-    The logits come back split over the sequence: take this rank's piece of
-    the targets the same way (``y.chunk(size, dim=1)[index]``), and
-    :func:`shardax.value_and_grad` averages the ranks' losses — except with
-    ``names.final`` (GPT-2), where the sequence is gathered after the final
-    norm and every rank computes the whole sequence's logits and loss. The head
+    What the model returns is whole on every rank: the sequence is gathered
+    where the head starts (with ``names.final``, GPT-2's, after the final
+    norm), so every rank computes the whole sequence's logits and a plain
+    loss, Hugging Face's ``labels=`` and ``generate()`` work unchanged. The head
     count and the sequence length must divide by the ``sp`` size; the
     attention projections' features must be laid out head-major, or packed
     (``names.packed``: each of q, k and v split over heads, with
@@ -51,7 +50,9 @@ def ulysses(sp: str = "sp", *, names: TransformerNames | Literal["auto"] = GPT_N
     >>> import shardax as sx
     >>> rules = sx.rules.ulysses("sp")
     >>> len(rules.modules), rules.modules[2].output
-    (5, Relayout(P(None, 'sp'), P(None, None, 'sp')))
+    (6, Relayout(P(None, 'sp'), P(None, None, 'sp')))
+    >>> rules.modules[4]
+    ModuleRule('lm_head', inputs=(Relayout(P(None, 'sp'), P()),))
     >>> sx.rules.ulysses("sp", names="auto")
     Rules(ulysses('sp', names='auto'))
     """
@@ -65,6 +66,11 @@ def ulysses(sp: str = "sp", *, names: TransformerNames | Literal["auto"] = GPT_N
             "rules.ulysses needs names.attention_in and names.attention_out (the projections "
             "around attention: the all-to-alls go there), or names.attention (Llama-family "
             "modules, run by shardax.ulysses_attention)"
+        )
+    if names.final is None and names.head is None:
+        raise ShardingError(
+            "rules.ulysses needs names.head (the LM head) or names.final (the module after the "
+            "blocks): the sequence is gathered there, so the model returns whole outputs"
         )
     seq = P(None, sp)
     entries: list[ModuleRule] = []
@@ -87,5 +93,7 @@ def ulysses(sp: str = "sp", *, names: TransformerNames | Literal["auto"] = GPT_N
         entries.append(ModuleRule(names.attention, forward=ulysses_attention(sp)))
     if names.final is not None:  # the model reshapes by the input's shape after it
         entries.append(ModuleRule(names.final, output=Relayout(seq, P())))
+    else:  # the whole sequence's logits on every rank: never a piece passing for them
+        entries.append(ModuleRule(names.head, inputs=[Relayout(seq, P())]))
     entries.append(ModuleRule("", rng=sp))  # pieces of the sequence draw differently
     return Rules(*entries)

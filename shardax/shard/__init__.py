@@ -26,6 +26,7 @@ from ._matching import Rule as Rule
 from ._matching import Rules as Rules
 from ._modules import ModuleRule as ModuleRule
 from ._modules import Relayout as Relayout
+from ._modules import SplitOutput as SplitOutput
 from ._params import init_params as init_params
 from ._params import params_of as params_of
 from ._placement import Placement as Placement
@@ -66,6 +67,7 @@ __all__ = [
     "Rules",
     "ShardOver",
     "Sharded",
+    "SplitOutput",
     "Step",
     "apply",
     "blocks",

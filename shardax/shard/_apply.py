@@ -240,6 +240,7 @@ def apply(
     units: Units = None,
     prefetch: bool = True,
     rules: Any = None,
+    method: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """Call ``model(*args, **kwargs)`` with its parameters and buffers taken
@@ -270,10 +271,17 @@ def apply(
             :func:`shardax.init_params` from rules: they carry their
             placements and these module rules, which apply installs; given,
             they are used instead.
-        **kwargs: keyword arguments of ``model``'s forward.
+        method: the name of another method of ``model`` to call instead of
+            its forward, with the parameters in place for every forward it
+            runs (flax's ``apply(..., method=)``): ``"generate"`` for a
+            Hugging Face model's sampling loop.
+        **kwargs: keyword arguments of ``model``'s forward (or ``method``).
 
     Returns:
-        Whatever ``model`` returns.
+        Whatever ``model`` returns, with the model's own shapes: an output
+        a rule split over a mesh axis comes back gathered, or marked as a
+        :class:`Sharded` where the rule says so (``rules.megatron(...,
+        logits="vocab_parallel")``) — never a bare piece.
 
     >>> import torch, shardax as sx
     >>> mesh = sx.Mesh({"dp": 1})
@@ -285,6 +293,14 @@ def apply(
     """
     if not isinstance(model, nn.Module):
         raise ShardingError(f"apply needs an nn.Module; got {type(model).__name__}")
+    call = model
+    if method is not None:
+        call = getattr(model, method, None) if isinstance(method, str) else None
+        if not callable(call):
+            raise ShardingError(
+                f"apply(method={method!r}): {type(model).__name__} has no such method; give the "
+                "name of one, such as 'generate'"
+            )
     if not isinstance(params, dict) or any(not isinstance(k, str) for k in params):
         raise ShardingError(
             "apply takes params as a dict keyed by parameter path (as shardax.params_of returns)"
@@ -326,9 +342,9 @@ def apply(
             with applying():
                 if regather is not None:
                     with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
-                        out = model(*args, **kwargs)
+                        out = call(*args, **kwargs)
                 else:
-                    out = model(*args, **kwargs)
+                    out = call(*args, **kwargs)
         except StopForward as stop:
             out = stop.value
         run.leave(run.units[0])

@@ -33,7 +33,7 @@ from ._remat import Remat, checkpointed
 from ._sharded import Sharded
 from ._spec import PartitionSpec, as_spec
 
-__all__ = ["ModuleRule", "Relayout", "install"]
+__all__ = ["ModuleRule", "Relayout", "SplitOutput", "install"]
 
 
 @attrs.frozen(repr=False)
@@ -87,6 +87,57 @@ class Relayout:
         return f"Relayout({self.src!r}, {self.dst!r}{tail})"
 
 
+@attrs.frozen(repr=False)
+class SplitOutput:
+    """What becomes of a module output whose dim ``dim`` (counted from the
+    end when negative) comes out split evenly over ``axis`` — a
+    vocabulary-parallel LM head's logits: with ``gather`` (the default)
+    it is all-gathered into the whole tensor, so what the model returns
+    has its own shape on every rank and any loss, sampling or Hugging
+    Face's ``labels=`` works; without, this rank's piece comes back
+    *marked*, as a :class:`shardax.Sharded` that knows its layout, which
+    :func:`shardax.vocab_parallel_cross_entropy` takes as it is and every
+    plain torch op refuses (:class:`shardax.SplitTensorError`). Never a
+    bare piece that could pass for the whole tensor.
+
+    >>> SplitOutput("tp")
+    SplitOutput('tp')
+    >>> SplitOutput("tp", gather=False)
+    SplitOutput('tp', gather=False)
+    """
+
+    axis: tuple[str, ...] = attrs.field(converter=normalize_axes)
+    dim: int = attrs.field(default=-1, kw_only=True)
+    gather: bool = attrs.field(default=True, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.axis:
+            raise ShardingError("SplitOutput needs the mesh axis the output is split over")
+
+    def __call__(self, t: torch.Tensor, mesh: AbstractMesh, where: str = "") -> Any:
+        """``t`` (this rank's piece) gathered, or marked as a ``Sharded``."""
+        if not isinstance(t, torch.Tensor):
+            raise ShardingError(f"{where}: {self!r} needs a tensor; got {type(t).__name__}")
+        if not -t.ndim <= self.dim < t.ndim:
+            raise ShardingError(
+                f"{where}: {self!r} splits dim {self.dim}, the output has shape {tuple(t.shape)}"
+            )
+        dim = self.dim % t.ndim
+        split = PartitionSpec(*[None] * dim, self.axis)
+        if self.gather:
+            return Relayout(split, PartitionSpec())(t, mesh, where)
+        shape = list(t.shape)
+        shape[dim] *= math.prod(mesh.size(a) for a in self.axis)
+        return Sharded(t, Layout(mesh, split), tuple(shape))
+
+    def __repr__(self) -> str:
+        axis = self.axis[0] if len(self.axis) == 1 else self.axis
+        tail = (f", dim={self.dim}" if self.dim != -1 else "") + (
+            "" if self.gather else ", gather=False"
+        )
+        return f"SplitOutput({axis!r}{tail})"
+
+
 Forward = Callable[..., Any]
 """``forward(module, mesh, *args, **kwargs)``: the module's computation when
 sharded; its parameters are its compute-layout pieces."""
@@ -130,7 +181,7 @@ class ModuleRule:
     inputs: tuple[Relayout | None, ...] = attrs.field(
         default=(), converter=_relayouts, kw_only=True
     )
-    output: Relayout | None = attrs.field(default=None, kw_only=True)
+    output: Relayout | SplitOutput | None = attrs.field(default=None, kw_only=True)
     forward: Forward | None = attrs.field(default=None, kw_only=True)
     rng: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
     rejoin: bool = attrs.field(default=False, kw_only=True)
@@ -151,8 +202,10 @@ class ModuleRule:
             ) from None
 
     def __attrs_post_init__(self) -> None:
-        if self.output is not None and not isinstance(self.output, Relayout):
-            raise ShardingError(f"ModuleRule output is a Relayout or None; got {self.output!r}")
+        if self.output is not None and not isinstance(self.output, (Relayout, SplitOutput)):
+            raise ShardingError(
+                f"ModuleRule output is a Relayout, a SplitOutput or None; got {self.output!r}"
+            )
         if self.forward is not None and not callable(self.forward):
             raise ShardingError(f"ModuleRule forward must be callable; got {self.forward!r}")
         if self.remat is not None and not isinstance(self.remat, Remat):

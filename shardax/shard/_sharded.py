@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ..errors import ShardingError
+from ..errors import ShardingError, SplitTensorError
 from ..mesh._mesh import Mesh
 from ._layout import Layout
 from ._placement import Placement
@@ -30,8 +30,84 @@ def _check(instance: Sharded, attribute: object, value: object) -> None:
         )
 
 
+_TENSOR_NAMES = frozenset(n for n in dir(torch.Tensor) if not n.startswith("__"))
+_OPERATORS = (
+    "__getitem__", "__setitem__", "__iter__", "__len__", "__float__", "__int__", "__index__",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__floordiv__", "__matmul__", "__rmatmul__", "__pow__", "__rpow__",
+    "__neg__", "__abs__", "__lt__", "__le__", "__gt__", "__ge__",
+)  # fmt: skip
+
+
+class _Piece:
+    """What makes a :class:`Sharded` refuse to pass for a whole tensor:
+    torch functions (``__torch_function__``), tensor methods, indexing and
+    arithmetic raise :class:`shardax.SplitTensorError`, naming the call and
+    the fix — never a number computed from one rank's piece."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(
+        cls, func: object, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        values = [*args, *(kwargs or {}).values()]
+        values += [b for a in values if isinstance(a, (list, tuple)) for b in a]
+        piece = next((a for a in values if isinstance(a, Sharded)), None)
+        raise _refusal(piece, _call_name(func))
+
+    def __getattr__(self, name: str) -> object:
+        if name in _TENSOR_NAMES:
+            raise _refusal(self, f".{name}")  # type: ignore[arg-type]
+        raise AttributeError(f"'Sharded' object has no attribute {name!r}")
+
+
+def _call_name(func: object) -> str:
+    """``torch.nn.functional.cross_entropy``, ``torch.softmax``, ``Tensor.mul``."""
+    name = getattr(func, "__name__", repr(func))
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("torch") and not module.startswith("torch._"):
+        return f"{module}.{name}"
+    qualname = getattr(func, "__qualname__", "")
+    return f"Tensor.{name}" if "Tensor" in qualname else f"torch.{name}"
+
+
+def _operator(name: str) -> object:
+    def refuse(self: Sharded, *args: object) -> object:
+        raise _refusal(self, f"Sharded.{name}")
+
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in _OPERATORS:
+    setattr(_Piece, _name, _operator(_name))
+
+
+def _refusal(x: Sharded | None, what: str) -> SplitTensorError:
+    if x is None:
+        return SplitTensorError(
+            f"{what} got a Sharded value, not a tensor; shardax.gather it first"
+        )
+    layout = x.layout
+    split = [d for d, axes in enumerate(layout.spec.dim_axes(len(x.shape))) if axes]
+    hint = ""
+    if split == [len(x.shape) - 1]:
+        hint = (
+            " Logits split over the vocabulary (rules.megatron(..., logits='vocab_parallel')) "
+            "go to shardax.vocab_parallel_cross_entropy(logits, targets) as they are."
+        )
+    return SplitTensorError(
+        f"{what} got a Sharded value: rank {x.mesh.rank}'s piece {tuple(x.local.shape)} of a "
+        f"{x.shape} tensor laid out {layout.spec!r}"
+        + (f" (partial over {layout.partial!r})" if layout.partial else "")
+        + f" on {x.mesh!r}, not the whole tensor. Take the whole tensor with shardax.gather(x), "
+        "or this rank's piece with x.local where you mean the piece." + hint
+    )
+
+
 @attrs.frozen(eq=False, repr=False)
-class Sharded:
+class Sharded(_Piece):
     """A pytree leaf: this rank's local tensor, the global shape and the layout.
 
     Build them with :func:`shardax.shard`; take them back with

@@ -19,8 +19,9 @@ from torch import nn
 from ..collectives import _api as C
 from ..collectives._api import Axis
 from ..errors import ShardingError
-from ..mesh._mesh import AbstractMesh
+from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
+from ._sharded import Sharded
 from ._spec import P
 
 __all__ = [
@@ -125,47 +126,89 @@ _UNSET = object()
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor,
+    logits: Sharded,
     targets: torch.Tensor,
-    axis: Axis = "tp",
+    axis: Axis | None = None,
     *,
     mesh: Any = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``logits`` whose last dim (the
-    vocabulary) is split over ``axis`` — this rank's piece, in
-    ``torch.chunk`` order — against global ``targets``; the same value on
-    every rank of ``axis``. The vocabulary splits evenly (``rules.megatron``
-    checks it). Only this rank's piece of the logits, and a few
+    """Mean next-token cross-entropy of ``logits`` split over the
+    vocabulary, against whole ``targets``: the same value on every rank of
+    the split's axis. ``logits`` is the marked piece a vocabulary-parallel
+    head returns (``rules.megatron(..., logits="vocab_parallel")``): a
+    :class:`shardax.Sharded` whose last dim is split and whose layout says
+    over which axes. Only this rank's piece of the logits, and a few
     per-position numbers, exist on any rank: memory is about ``1/size`` of
-    the full logits'. Targets equal to ``ignore_index`` do not count.
+    the full logits' (Megatron-LM's vocab-parallel cross-entropy). Targets
+    equal to ``ignore_index`` do not count.
 
     Computed in fp32: ``log Σ exp(z - max) + max - z[target]`` with the max,
-    the sum and the target logit each completed by one collective over ``axis``.
+    the sum and the target logit each completed by one collective over the
+    axis. A plain tensor is refused: the logits ``shardax.apply`` returns by
+    default are whole (``F.cross_entropy`` is their loss), and a piece
+    that does not say it is one cannot be told from them.
+
+    Args:
+        logits: ``Sharded`` ``[..., vocab]``, split over the last dim only.
+        targets: token ids ``[...]`` (the logits' leading shape).
+        axis: optional; when given, must be the axis the layout splits.
+        mesh: optional; when given, must be the logits' mesh.
+        ignore_index: targets that do not count.
 
     >>> import torch, torch.nn.functional as F, shardax as sx
     >>> mesh = sx.Mesh({"tp": 1})
-    >>> logits, y = torch.randn(3, 7), torch.tensor([1, 6, 0])
-    >>> loss = sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
-    >>> torch.allclose(loss, F.cross_entropy(logits, y))
+    >>> whole, y = torch.randn(3, 7), torch.tensor([1, 6, 0])
+    >>> logits = sx.Sharded(whole, sx.Layout(mesh, sx.P(None, "tp")), whole.shape)  # a piece
+    >>> loss = sx.vocab_parallel_cross_entropy(logits, y)
+    >>> torch.allclose(loss, F.cross_entropy(whole, y))
     True
     """
-    if logits.shape[:-1] != targets.shape:
+    if not isinstance(logits, Sharded):
+        what = f"a {type(logits).__name__}"
+        if isinstance(logits, torch.Tensor):
+            what = f"a plain tensor of shape {tuple(logits.shape)}"
         raise ShardingError(
-            f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} need targets of shape "
-            f"{tuple(logits.shape[:-1])}; got {tuple(targets.shape)}"
+            f"vocab_parallel_cross_entropy takes logits split over the vocabulary as a Sharded "
+            f"value (what rules.megatron(..., logits='vocab_parallel') makes the head return); "
+            f"got {what}. The logits shardax.apply returns by default are whole: their loss is "
+            "F.cross_entropy. A piece you split yourself says what it is as "
+            "shardax.Sharded(piece, shardax.Layout(mesh, P(None, ..., axis)), whole_shape)"
         )
-    m = C._resolve_mesh(mesh, "vocab_parallel_cross_entropy")
-    n = logits.shape[-1]
-    start = C.axis_index(axis, mesh=m) * n  # vocabularies split evenly (rules.megatron checks)
-    z = logits.float()
-    top = C.pmax(z.detach().amax(-1), axis, mesh=m)  # for stability only: no gradient
+    layout, shape = logits.layout, logits.shape
+    dims = layout.spec.dim_axes(len(shape))
+    split = dims[-1] if shape else ()
+    if not split or any(dims[:-1]) or layout.partial:
+        raise ShardingError(
+            f"vocab_parallel_cross_entropy: logits of shape {shape} laid out {layout!r}; it needs "
+            "them split over the last dim (the vocabulary) only, with no pending sums"
+        )
+    if axis is not None and tuple(normalize_axes(axis)) != tuple(split):
+        raise ShardingError(
+            f"vocab_parallel_cross_entropy(axis={axis!r}): the logits are split over {split!r} "
+            f"({layout!r}); leave axis out, the layout says it"
+        )
+    if mesh is not None and mesh is not logits.mesh and mesh != logits.mesh:
+        raise ShardingError(
+            f"vocab_parallel_cross_entropy(mesh={mesh!r}): the logits live on {logits.mesh!r}; "
+            "leave mesh out, the layout says it"
+        )
+    if shape[:-1] != tuple(targets.shape):
+        raise ShardingError(
+            f"vocab_parallel_cross_entropy: logits {shape} need targets of shape "
+            f"{shape[:-1]}; got {tuple(targets.shape)}"
+        )
+    m = logits.mesh
+    start, stop = logits.bounds()[-1]
+    n = stop - start
+    z = logits.local.float()
+    top = C.pmax(z.detach().amax(-1), split, mesh=m)  # for stability only: no gradient
     z = z - top.unsqueeze(-1)
-    sum_exp = C.psum(z.exp().sum(-1), axis, mesh=m)
+    sum_exp = C.psum(z.exp().sum(-1), split, mesh=m)
     local = targets - start
     inside = (local >= 0) & (local < n)
     picked = z.gather(-1, local.clamp(0, max(n - 1, 0)).unsqueeze(-1)).squeeze(-1)
-    target = C.psum(picked * inside.to(z.dtype), axis, mesh=m)
+    target = C.psum(picked * inside.to(z.dtype), split, mesh=m)
     per_token = sum_exp.log() - target
     keep = targets != ignore_index
     return (per_token * keep).sum() / keep.sum().clamp(min=1)
@@ -198,7 +241,7 @@ def ulysses_attention(axis: Axis = "sp") -> Any:
     ``rules.ulysses(names=rules.LLAMA_NAMES)`` installs it.
 
     >>> import shardax as sx
-    >>> sx.rules.ulysses("sp", names=sx.rules.LLAMA_NAMES).modules[-2]
+    >>> sx.rules.ulysses("sp", names=sx.rules.LLAMA_NAMES).modules[-3]
     ModuleRule('model\\\\.layers\\\\.\\\\d+\\\\.self_attn', forward=ulysses_attention('sp'))
     """
     from ._modules import Relayout

@@ -45,12 +45,9 @@ def _train(mesh_shape: dict[str, int], path: str, start: int) -> list[float]:
         state = sx.ckpt.load(path, {"params": params, "opt_state": opt_state}, rng="reseed")
         params, opt_state = state["params"], state["opt_state"]
     n, i = mesh.size("dp"), mesh.axis_index("dp")
-    tp = "tp" in mesh_shape
 
     def loss_fn(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = sx.apply(model, p, x)
-        if tp:
-            return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
+        logits = sx.apply(model, p, x)  # whole, under tp too
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     grad_fn = sx.value_and_grad(loss_fn)

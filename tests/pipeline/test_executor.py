@@ -52,8 +52,8 @@ def _rules(name: str | None) -> Any:
     """Rules by name (built on the ranks: module rules do not pickle)."""
     if name is None:
         return None
-    if name == "megatron":
-        return sx.rules.megatron("tp")
+    if name == "megatron":  # the head's logits: a marked piece of the vocabulary
+        return sx.rules.megatron("tp", logits="vocab_parallel")
     if name == "ulysses":
         return sx.rules.ulysses("sp")
     if name == "ulysses+zero3":
@@ -92,15 +92,10 @@ def _ranked(
         full = sx.params_of(model)
     params = stages.local(full, schedule, mesh.axis_index("pp"))
     loss_fn = _ce
-    if rules == "megatron":  # the head's logits are split over the vocabulary
+    if rules == "megatron":  # the head's logits: this rank's piece of the vocabulary, marked
 
         def loss_fn(logits, y):
-            return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh.submesh("tp"))
-
-    if rules in ("ulysses", "ulysses+zero3"):  # the logits: this rank's piece of the sequence
-
-        def loss_fn(logits, y):
-            return _ce(logits, y.chunk(mesh.size("sp"), dim=1)[mesh.axis_index("sp")])
+            return sx.vocab_parallel_cross_entropy(logits, y)
 
     module_rules = ("megatron", "ulysses", "ulysses+zero3", "remat", "remat+zero3")
     extra = {"rules": _rules(rules)} if rules in module_rules else {}

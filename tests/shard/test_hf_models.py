@@ -119,8 +119,8 @@ def train_megatron(
     run, params = sharded(family, mesh, rules)
 
     def loss_fn(p, x, y):
-        logits = run(p, x)  # this rank's vocabulary piece
-        return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
+        logits = run(p, x)  # whole: the head's output gathered over tp
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     batches = [batch(step) for step in range(STEPS)]
     losses, params, _ = adamw_steps(params, loss_fn, batches, mesh, (LR, BETAS, EPS, WD))
@@ -158,11 +158,8 @@ def train_ulysses(family: str, shape: dict[str, int], stage: int) -> tuple[list[
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
     run, params = sharded(family, mesh, rules)
-    size, index = mesh.size("sp"), mesh.axis_index("sp")
 
-    def loss_fn(p, x, y):
-        if family == "llama":  # the logits are this rank's positions
-            y = y.chunk(size, dim=1)[index]  # (GPT-2's: gathered after ln_f)
+    def loss_fn(p, x, y):  # the logits are the whole sequence's on every rank
         return F.cross_entropy(run(p, x).flatten(0, 1), y.flatten())
 
     batches = [batch(step) for step in range(STEPS)]
@@ -189,6 +186,85 @@ def test_ulysses_matches_pytorch(family, shape, stage):
     world = 2 if "dp" not in shape else 4
     for losses, params in run_ranks(train_ulysses, family, shape, stage, world_size=world):
         check(losses, params, ref_losses, ref_params)
+
+
+WIDE_VOCAB = 256  # the case measured in the issue: targets all below 128, half of it
+
+
+def whole_model(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        return tiny.gpt2(vocab_size=WIDE_VOCAB, **no_dropout, attn_implementation="sdpa")
+    return tiny.llama(vocab_size=WIDE_VOCAB, attn_implementation="sdpa")
+
+
+def whole_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(0, WIDE_VOCAB // 2, (2, SEQ), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def whole_outputs(family: str, preset: str) -> dict[str, Any]:
+    """What a user does with the model's outputs — a plain loss, Hugging
+    Face's ``labels=``, sampling from the last position's logits and
+    ``generate()`` — on one process, or (``preset``) on the ranks of a
+    2-rank mesh under the rules, with the preset's default outputs."""
+    model = whole_model(family)
+    x, y = whole_batch()
+    positions = {"position_ids": torch.arange(SEQ).expand(x.shape[0], -1)}
+    if preset == "one process":
+        call = model.__call__
+        generate = model.generate
+    else:
+        axis = "sp" if preset == "ulysses" else "tp"
+        rules = {
+            "megatron": lambda: sx.rules.megatron("tp", names="auto"),
+            "megatron-sp": lambda: sx.rules.megatron("tp", names="auto", sequence_parallel=True),
+            "ulysses": lambda: sx.rules.ulysses("sp", names="auto"),
+        }[preset]()
+        params = sx.shard(sx.params_of(model), sx.Mesh({axis: 2}), rules)
+        call = lambda *a, **k: sx.apply(model, params, *a, **k)  # noqa: E731
+        # generate() feeds sequences of any length: Megatron without SP (the
+        # same params' layout) runs it for every preset
+        plain = sx.rules.megatron("tp", names="auto") if axis == "tp" else None
+        generate = lambda *a, **k: sx.apply(model, params, *a, method="generate", rules=plain, **k)  # noqa: E731
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        logits = call(x, **positions).logits
+        out["shape"] = tuple(logits.shape)
+        out["loss"] = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        out["labels"] = call(x, labels=x, **positions).loss
+        probs = torch.softmax(logits[:, -1].float(), -1)
+        out["sample"] = torch.multinomial(probs, 4, generator=torch.Generator().manual_seed(3))
+        if preset != "ulysses":
+            prompt = x[:, :3]
+            out["generate"] = generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+    return out
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("preset", ["megatron", "megatron-sp", "ulysses"])
+def test_outputs_are_whole_under_every_preset(family, preset):
+    """The silent wrong loss of issue 35: HF GPT-2 (vocabulary 256) under
+    ``rules.megatron("tp", names="auto")`` on tp=2 returned each rank's half
+    of the vocabulary as plain logits, and ``F.cross_entropy`` with targets
+    below 128 gave 4.8815 and 4.8809 against 5.5663 on one process. Every
+    preset now returns the model's own shape on every rank: the plain loss,
+    ``labels=``, a sample and ``generate()`` equal one process's (1e-5:
+    fp32 over the same sums in another order; tokens exactly)."""
+    ref = whole_outputs(family, "one process")
+    for out in run_ranks(whole_outputs, family, preset, world_size=2):
+        assert out["shape"] == ref["shape"] == (2, SEQ, WIDE_VOCAB)
+        torch.testing.assert_close(out["loss"], ref["loss"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out["labels"], ref["labels"], rtol=1e-5, atol=1e-5)
+        assert torch.equal(out["sample"], ref["sample"])
+        if "generate" in out:
+            assert torch.equal(out["generate"], ref["generate"])
 
 
 def test_ulysses_attention_refuses_padding_masks():

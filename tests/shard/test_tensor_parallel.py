@@ -1,8 +1,10 @@
 """Tensor parallelism as rules (``rules.megatron``) on real gloo ranks: the
 example GPT trained on tp=2, and dp=2 × tp=2 with ZeRO-1 and ZeRO-3, matches
 the single-process PyTorch reference (same init, same global batch,
-torch.optim.AdamW) over 5 steps; the vocab-parallel pieces agree with their
-dense counterparts, values and gradients; misuse gets clear errors."""
+torch.optim.AdamW) over 5 steps — with a plain ``F.cross_entropy`` on the
+whole logits ``apply`` returns, and with the marked vocabulary-parallel
+piece and its loss; the vocab-parallel pieces agree with their dense
+counterparts, values and gradients; misuse gets clear errors."""
 
 from __future__ import annotations
 
@@ -57,18 +59,20 @@ def gpt_params(mesh: sx.Mesh, rules: sx.Rules) -> tuple[GPT, dict]:
     return model, sx.init_params(model, mesh, rules)
 
 
-def train_tp(shape: dict[str, int], stage: int, sp: bool = False) -> tuple[list[float], dict, dict]:
+def train_tp(
+    shape: dict[str, int], stage: int, sp: bool = False, logits: str = "gather"
+) -> tuple[list[float], dict, dict]:
     mesh = sx.Mesh(shape)
-    rules = sx.rules.megatron("tp", sequence_parallel=sp)
+    rules = sx.rules.megatron("tp", sequence_parallel=sp, logits=logits)
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
     model, params = gpt_params(mesh, rules)
 
     def loss_fn(p, x, y):
-        logits = sx.apply(
-            model, p, x
-        )  # the params carry the module rules; this rank's vocabulary piece
-        return sx.vocab_parallel_cross_entropy(logits, y, "tp", mesh=mesh)
+        out = sx.apply(model, p, x)  # the params carry the module rules
+        if logits == "vocab_parallel":  # this rank's vocabulary piece, marked
+            return sx.vocab_parallel_cross_entropy(out, y)
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())  # whole logits: a plain loss
 
     batches = [batch(step) for step in range(STEPS)]
     losses, params, _ = adamw_steps(params, loss_fn, batches, mesh, (LR, BETAS, EPS, WD))
@@ -80,18 +84,32 @@ def train_tp(shape: dict[str, int], stage: int, sp: bool = False) -> tuple[list[
 # ZeRO-3 with it runs by default, dp2 x tp2 ZeRO-3 alone on Llama (test_hf_models.py)
 # and GPT-2 (tests/ckpt/test_hf_roundtrip.py), ZeRO-1's own path in test_train.py.
 SLOW = {"dp2xtp2-zero1", "dp2xtp2-zero3"}
+# The marked vocabulary-parallel logits by default on tp2 and dp2 x tp2 ZeRO-3 with SP.
+FAST_DEFAULT = {"tp2", "dp2xtp2-zero3-sp"}
 GPT_CASES = [
-    pytest.param(*case, id=name, marks=[pytest.mark.slow] if name in SLOW else [])
+    pytest.param(
+        *case,
+        logits,
+        id=name if logits == "gather" else f"{name}-vocab-parallel",
+        marks=[pytest.mark.slow]
+        if name in SLOW or (logits != "gather" and name not in FAST_DEFAULT)
+        else [],
+    )
+    for logits in ("gather", "vocab_parallel")
     for case, name in zip(MEGATRON_CASES, MEGATRON_IDS, strict=True)
 ]
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize(("shape", "stage", "sp"), GPT_CASES)
-def test_megatron_gpt_matches_pytorch(shape, stage, sp):
+@pytest.mark.parametrize(("shape", "stage", "sp", "logits"), GPT_CASES)
+def test_megatron_gpt_matches_pytorch(shape, stage, sp, logits):
+    """Both kinds of logits: whole ones (the default) under a plain
+    ``F.cross_entropy``, and the marked piece under
+    ``vocab_parallel_cross_entropy``."""
     ref_losses, ref_params = reference()
     world = 2 if shape == {"tp": 2} else 4
-    for losses, params, specs in run_ranks(train_tp, shape, stage, sp, world_size=world):
+    runs = run_ranks(train_tp, shape, stage, sp, logits, world_size=world)
+    for losses, params, specs in runs:
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
         assert sorted(params) == sorted(ref_params)
         for k, v in ref_params.items():
@@ -118,8 +136,9 @@ def vocab_parallel_pieces(vocab: int) -> tuple[bool, bool, bool, bool]:
     partial = sx.vocab_parallel_embedding("tp")(emb, mesh, ids)
     emb_ok = torch.equal(sx.collectives.psum(partial, "tp", mesh=mesh), F.embedding(ids, weight))
 
+    split = sx.Layout(mesh, sx.P(None, None, "tp"))
     piece = logits[..., rows].clone().requires_grad_(True)
-    loss = sx.vocab_parallel_cross_entropy(piece, ids, "tp", mesh=mesh)
+    loss = sx.vocab_parallel_cross_entropy(sx.Sharded(piece, split, logits.shape), ids)
     sx.collectives.count_once(loss, "tp", mesh=mesh).backward()
     full = logits.clone().requires_grad_(True)
     ref = F.cross_entropy(full.flatten(0, 1), ids.flatten())
@@ -128,7 +147,9 @@ def vocab_parallel_pieces(vocab: int) -> tuple[bool, bool, bool, bool]:
     grad_ok = torch.allclose(piece.grad, full.grad[..., rows], rtol=1e-5, atol=1e-7)
     ignored = ids.clone()
     ignored[0] = -100
-    masked = sx.vocab_parallel_cross_entropy(logits[..., rows], ignored, "tp", mesh=mesh)
+    masked = sx.vocab_parallel_cross_entropy(
+        sx.Sharded(logits[..., rows], split, logits.shape), ignored
+    )
     ignore_ok = torch.allclose(
         masked, F.cross_entropy(logits.flatten(0, 1), ignored.flatten()), rtol=1e-6, atol=1e-6
     )
@@ -139,6 +160,84 @@ def vocab_parallel_pieces(vocab: int) -> tuple[bool, bool, bool, bool]:
 def test_vocab_parallel_embedding_and_cross_entropy_equal_the_dense_ones():
     for result in run_ranks(vocab_parallel_pieces, 10, world_size=2):
         assert result == (True, True, True, True)
+
+
+def marked_logits() -> dict[str, str]:
+    """The vocabulary-parallel head's piece, marked, under plain torch: each
+    use a SplitTensorError naming the call and the fix, never a number; it
+    gathers into the whole logits the default head returns."""
+    mesh = sx.Mesh({"tp": 2})
+    x, y = batch(0)
+    out: dict[str, str] = {}
+    model, whole_params = gpt_params(mesh, sx.rules.megatron("tp"))
+    model, params = gpt_params(mesh, sx.rules.megatron("tp", logits="vocab_parallel"))
+    whole = sx.apply(model, whole_params, x)
+    piece = sx.apply(model, params, x)
+    out["whole"] = f"{type(whole).__name__} {tuple(whole.shape)}"
+    out["piece"] = f"{type(piece).__name__} {piece.shape} {piece.local_shape}"
+    out["gathered"] = str(torch.equal(sx.gather(piece), whole))
+    uses = {
+        "cross_entropy": lambda: F.cross_entropy(piece, y),
+        "flatten": lambda: piece.flatten(0, 1),
+        "float": lambda: piece.float(),
+        "softmax": lambda: torch.softmax(piece, -1),
+        "index": lambda: piece[:, -1],
+        "mul": lambda: piece * 2.0,
+        "argmax": lambda: piece.argmax(-1),
+    }
+    for name, use in uses.items():
+        try:
+            use()
+            out[name] = "no error"
+        except sx.SplitTensorError as err:
+            out[name] = str(err)
+    loss = sx.vocab_parallel_cross_entropy(piece, y)
+    out["loss"] = str(torch.allclose(loss, F.cross_entropy(whole.flatten(0, 1), y.flatten())))
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_marked_logits_refuse_every_plain_use():
+    for out in run_ranks(marked_logits, world_size=2):
+        assert out["whole"] == f"Tensor {(BATCH, CFG.seq_len, CFG.vocab_size)}"
+        assert out["piece"] == (
+            f"Sharded {(BATCH, CFG.seq_len, CFG.vocab_size)} "
+            f"{(BATCH, CFG.seq_len, CFG.vocab_size // 2)}"
+        )
+        assert out["gathered"] == "True" and out["loss"] == "True"
+        for name, where in [
+            ("cross_entropy", "torch.nn.functional.cross_entropy"),
+            ("flatten", ".flatten"),
+            ("float", ".float"),
+            ("softmax", "torch.softmax"),
+            ("index", "__getitem__"),
+            ("mul", "__mul__"),
+            ("argmax", ".argmax"),
+        ]:
+            message = out[name]
+            assert message.startswith(f"{where} got a Sharded value") or where in message, message
+            assert "shardax.gather" in message and "vocab_parallel_cross_entropy" in message
+            assert "(4, 8, 16) of a (4, 8, 32) tensor" in message, message
+
+
+def test_vocab_parallel_cross_entropy_refuses_a_plain_tensor():
+    """Whole logits passed as a piece were a silent wrong loss: the plain
+    tensor is refused, the message naming F.cross_entropy and the marked
+    piece."""
+    with pytest.raises(sx.ShardingError, match=r"got a plain tensor of shape \(3, 7\)") as err:
+        sx.vocab_parallel_cross_entropy(torch.randn(3, 7), torch.zeros(3, dtype=torch.long))
+    assert "F.cross_entropy" in str(err.value) and "logits='vocab_parallel'" in str(err.value)
+    mesh = sx.Mesh({"tp": 1})
+    piece = sx.Sharded(torch.randn(3, 7), sx.Layout(mesh, sx.P("tp")), (3, 7))
+    with pytest.raises(sx.ShardingError, match="split over the last dim"):
+        sx.vocab_parallel_cross_entropy(piece, torch.zeros(3, dtype=torch.long))
+    piece = sx.Sharded(torch.randn(3, 7), sx.Layout(mesh, sx.P(None, "tp")), (3, 7))
+    with pytest.raises(sx.ShardingError, match="split over \\('tp',\\)"):
+        sx.vocab_parallel_cross_entropy(piece, torch.zeros(3, dtype=torch.long), "dp")
+    with pytest.raises(sx.ShardingError, match=r"need targets of shape \(3,\)"):
+        sx.vocab_parallel_cross_entropy(piece, torch.zeros(3, 1, dtype=torch.long))
+    with pytest.raises(sx.ShardingError, match=r"logits='whole'\): 'gather'"):
+        sx.rules.megatron("tp", logits="whole")
 
 
 def test_megatron_needs_even_splits_and_names():
@@ -185,9 +284,10 @@ def cross_entropy_memory(tokens: int, vocab: int) -> tuple[float, float]:
     ids = torch.randint(0, vocab, (tokens,), generator=g)
     piece = torch.randn(tokens, vocab // n, generator=g).requires_grad_(True)
     full = torch.randn(tokens, vocab, generator=g).requires_grad_(True)
+    split = sx.Layout(mesh, sx.P(None, "tp"))
 
     def parallel() -> None:
-        loss = sx.vocab_parallel_cross_entropy(piece, ids, "tp", mesh=mesh)
+        loss = sx.vocab_parallel_cross_entropy(sx.Sharded(piece, split, (tokens, vocab)), ids)
         sx.collectives.count_once(loss, "tp", mesh=mesh).backward()
 
     def dense() -> None:
@@ -219,12 +319,10 @@ def train_ulysses(shape: dict[str, int], stage: int) -> tuple[list[float], dict,
     if "dp" in shape:
         rules = rules + sx.rules.zero(stage, "dp")
     model, params = gpt_params(mesh, rules)
-    sp, j = mesh.size("sp"), mesh.axis_index("sp")
 
     def loss_fn(p, x, y):
-        logits = sx.apply(model, p, x, rules=rules)  # [B, T/sp, V]: this rank's positions
-        mine = y.chunk(sp, dim=1)[j]
-        return F.cross_entropy(logits.flatten(0, 1), mine.flatten())
+        logits = sx.apply(model, p, x, rules=rules)  # [B, T, V]: the whole sequence's
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     batches = [batch(step) for step in range(STEPS)]
     losses, params, ops = adamw_steps(params, loss_fn, batches, mesh, (LR, BETAS, EPS, WD))

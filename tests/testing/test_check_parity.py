@@ -36,18 +36,11 @@ def _gpt(shape: dict[str, int]) -> sx.testing.Parity:
     )
     y = torch.roll(x, -1, dims=1)
 
-    def dense(p, x, y):
+    def dense(p, x, y):  # whole logits under every preset
         return F.cross_entropy(sx.apply(model, p, x).flatten(0, 1), y.flatten())
 
-    def split(p, x, y):  # Megatron's head: this rank's piece of the vocabulary
-        return sx.vocab_parallel_cross_entropy(sx.apply(model, p, x), y, "tp", mesh=mesh)
-
-    def positions(p, x, y):  # Ulysses: the logits of this rank's piece of the sequence
-        mine = y.chunk(mesh.size("sp"), dim=1)[mesh.axis_index("sp")]
-        return F.cross_entropy(sx.apply(model, p, x).flatten(0, 1), mine.flatten())
-
     data = tuple(a for a in shape if a not in ("tp", "sp"))  # the others share each batch
-    step = sx.value_and_grad({"tp": split, "sp": positions}.get(next(iter(shape)), dense))
+    step = sx.value_and_grad(dense)
     return sx.testing.check_parity(
         step, params, (x, y), mesh, data=data, reference=sx.value_and_grad(dense)
     )
@@ -70,10 +63,7 @@ def _experts(shape: dict[str, int], zero: int, bug: float = 1.0) -> sx.testing.P
     def dense(p, x, y):
         return _loss(sx.apply(model, p, x), y)
 
-    def split(p, x, y):
-        return sx.vocab_parallel_cross_entropy(sx.apply(model, p, x).logits, y, "tp", mesh=mesh)
-
-    grad_fn = sx.value_and_grad(split if tp else dense)
+    grad_fn = sx.value_and_grad(dense)
 
     def step(p, x, y):  # bug: the experts' gradients scaled, as a forgotten 1/ep would
         loss, grads = grad_fn(p, x, y)
