@@ -32,7 +32,8 @@ from shardax.config._deepspeed import to_hjson
 
 ROOT = Path(__file__).resolve().parents[1]
 DS_DIR = ROOT / "tests" / "deepspeed_configs"  # copies of ../shared/data/deepspeed-configs
-DS_FILES = sorted(DS_DIR.glob("*.json"))
+# DeepSpeed's own test configs; DeepSpeedExamples' are test_deepspeed_examples.py's
+DS_FILES = sorted(p for p in DS_DIR.glob("*.json") if not p.name.startswith("DeepSpeedExamples_"))
 
 # Representative configs from DeepSpeed's docs and tutorials (config-json,
 # the learning-rate-schedule and ZeRO-offload tutorials, the monitor docs).
@@ -266,8 +267,10 @@ def test_deepspeed_docs_configs_convert():
     assert config.precision.dynamic and config.precision.growth_interval == 500
     assert config.optimizer.type == "adamw" and config.optimizer.weight_decay == 0.01
     assert (config.schedule.type, config.schedule.total_steps) == ("warmup_linear", 1000)
+    assert config.schedule.deepspeed  # DeepSpeed's stepping: update k at its iteration k - 1
     lr = config.make_schedule()
-    assert lr(100) == pytest.approx(2e-4) and lr(550) == pytest.approx(1e-4)
+    assert lr(100) == pytest.approx(1.98e-4) and lr(101) == 2e-4  # the peak, one update late
+    assert lr(551) == pytest.approx(1e-4) and lr(1001) == lr(5000) == 0.0  # to warmup_min_lr
     assert config.monitor.writers == ("stdout", "tensorboard", "csv")
     assert config.monitor.dir == "logs/gpt"
     assert [k for k, _ in unmapped] == ["wandb"]
@@ -279,20 +282,21 @@ def test_deepspeed_docs_configs_convert():
 
     config = RunConfig.from_dict(from_deepspeed(DS_DOCS["cosine"])[0])
     assert config.optimizer.type == "lamb" and config.monitor.comm
-    lr = config.make_schedule()
-    assert lr(0) == pytest.approx(1e-4) and lr(50) == pytest.approx(1e-3)
+    lr = config.make_schedule()  # WarmupCosineLR: lr 0 for the first update (DeepSpeed sets it)
+    assert lr(0) == 0.0 and lr(1) == pytest.approx(1e-4) and lr(50) == pytest.approx(1e-3)
     assert lr(500) == pytest.approx(1e-5)
 
-    with pytest.raises(ConfigError, match=r"scheduler\.params\.cycle_momentum \(the momentum"):
-        from_deepspeed(DS_DOCS["one-cycle"])
-    data, unmapped = from_deepspeed(DS_DOCS["one-cycle"], lossy=True)
+    # SGD: DeepSpeed's OneCycle cycles no momentum (torch's SGD has no betas to cycle)
+    data, unmapped = from_deepspeed(DS_DOCS["one-cycle"])
     config = RunConfig.from_dict(data)
-    assert config.schedule.type == "one_cycle" and config.optimizer.lr == 1e-2
+    assert config.schedule.type == "one_cycle_linear" and config.optimizer.lr == 1e-2
     assert config.optimizer.momentum == 0.9 and config.monitor.log_every == 50
     assert config.monitor.timers
-    lr = config.make_schedule()
-    assert lr(0) == pytest.approx(1e-4) and max(lr(s) for s in range(200)) == pytest.approx(1e-2)
-    assert {"scheduler.params.cycle_momentum", "scheduler.params.cycle_min_mom"} <= dict(
+    lr = config.make_schedule()  # linear up and down; no decay_step_size: no decay
+    assert [lr(s) for s in (0, 50, 100, 150, 200, 5000)] == pytest.approx(
+        [1e-4, 5.05e-3, 1e-2, 5.05e-3, 1e-4, 1e-4], rel=1e-12
+    )
+    assert {"scheduler.params.cycle_min_mom", "scheduler.params.cycle_max_mom"} == dict(
         unmapped
     ).keys()
 
@@ -305,8 +309,10 @@ def test_deepspeed_docs_configs_convert():
         from_deepspeed({"optimizer": {"type": "OneBitAdam"}})
     with pytest.raises(ConfigError, match=r"scheduler\.type='LRRangeTest' \(shardax maps"):
         from_deepspeed({"scheduler": {"type": "LRRangeTest"}})
-    with pytest.raises(ConfigError, match=r"curriculum_learning \(no shardax setting"):
+    with pytest.raises(ConfigError, match=r"curriculum_learning \(curriculum learning changes"):
         from_deepspeed({"curriculum_learning": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"bogus_feature \(no shardax setting"):
+        from_deepspeed({"bogus_feature": {"enabled": True}})
     harmless = from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {}}})
     assert harmless == ({"parallel": {"zero": 3}}, [])  # device none: DeepSpeed's default
     old = from_deepspeed({"zero_optimization": {"cpu_offload": False, "cpu_offload_params": True}})
@@ -421,6 +427,39 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
         ),
         ('mesh: {dp: -1}\nparallel: {ep: "dp"}\n', "parallel.ep and parallel.zero_axis both name"),
         ('mesh: {dp: -1}\nparallel: {ep: "ep"}\n', "parallel.ep names mesh axis 'ep'"),
+        (
+            'schedule: {type: "one_cycle_linear"}\n',
+            "run.hjson: schedule.up_steps is needed by schedule one_cycle_linear",
+        ),
+        (
+            "steps: 10\nschedule: {up_steps: 5}\n",
+            "run.hjson:2: schedule.up_steps is a setting of schedule one_cycle_linear; schedule "
+            "constant does not use it",
+        ),
+        (
+            'schedule: {type: "one_cycle_linear", up_steps: 4, down_steps: -1}\n',
+            "run.hjson:1: schedule.down_steps must be >= 0; got -1",
+        ),
+        (
+            'schedule: {type: "one_cycle", deepspeed: true}\n',
+            "run.hjson:1: schedule.deepspeed is a setting of schedules warmup_constant, "
+            "warmup_linear, warmup_cosine",
+        ),
+        (
+            'schedule: {type: "warmup_constant", deepspeed: true}\n',
+            "run.hjson: schedule.warmup_steps is at least 1 with deepspeed (DeepSpeed's "
+            "warmup_num_steps is a positive integer); got 0",
+        ),
+        ('schedule: {deepspeed: "yes"}\n', "schedule.deepspeed is true or false; got 'yes'"),
+        (
+            "precision: {\n  cast_inputs: true\n}\n",
+            "run.hjson:2: precision.cast_inputs casts the model's floating-point inputs to the "
+            "params' half dtype, and params is fp32",
+        ),
+        (
+            'optimizer: {\n  type: "lamb"\n  bias_correction: false\n}\n',
+            "run.hjson:3: optimizer.bias_correction is false, a switch of adam and adamw only",
+        ),
     ],
 )
 def test_every_bad_value_is_a_typed_error_naming_file_line_and_key(text, message):

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ._deepspeed import from_deepspeed, to_hjson
+from ._deepspeed import to_hjson
+from ._deepspeed_file import convert_deepspeed_file
 from ._load import load_config
 from ._run import RunConfig
 
@@ -89,21 +90,14 @@ def _config_cli() -> Any:
                   help="Drop keys whose loss changes what the run computes (listed in the "
                        "output's header) instead of refusing them.")  # fmt: skip
     def convert(path: str, output: str | None, lossy: bool) -> None:
-        """Convert the DeepSpeed config PATH into a shardax run config; keys
-        that cannot be mapped are listed (in the file and on stderr), and a
-        key whose loss would change the math is an error unless --lossy."""
-        import json
-
+        """Convert the DeepSpeed config PATH (JSON or hjson) into a shardax run
+        config; keys that cannot be mapped are listed (in the file and on
+        stderr), and a key whose loss would change the math is an error
+        unless --lossy."""
         try:
-            ds = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as err:
-            raise BadSetting(f"cannot read DeepSpeed config {path!r}: {err}") from None
-        if not isinstance(ds, dict):
-            raise BadSetting(f"{path!r} is not a JSON object")
-        try:
-            data, unmapped = from_deepspeed(ds, lossy=lossy)
+            data, unmapped = convert_deepspeed_file(path, lossy=lossy)
         except ConfigError as err:
-            raise BadSetting(f"{path}: {err}") from None
+            raise BadSetting(str(err)) from None
         try:
             RunConfig.from_text(to_hjson(data), path)  # the result must pass `config check`
         except ConfigError as err:

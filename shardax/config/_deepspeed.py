@@ -1,9 +1,12 @@
-"""Importing DeepSpeed configs: ``from_deepspeed`` maps a DeepSpeed JSON
-config onto run-config data (refusing what would change the math unless
-lossy), ``to_hjson`` writes it with the unmapped keys as comments."""
+"""Importing DeepSpeed configs: ``from_deepspeed`` maps a DeepSpeed config
+(as data) onto run-config data, refusing what would change the math unless
+lossy; ``to_hjson`` writes it with the unmapped keys as comments. Reading a
+file (hjson, as DeepSpeed reads it, with lines in errors) is
+``_deepspeed_file.py``."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,31 @@ _DS_IGNORED = {
     "gradient_predivide_factor": "gradients are averaged once, after reduction",
 }
 
+_DS_HARMLESS = {
+    "zero_allow_untested_optimizer": "no effect here: shardax runs any optimizer",
+    "flops_profiler": "see shardax.monitor (throughput and MFU)",
+    "memory_breakdown": "see shardax.monitor (memory=True)",
+    "dump_state": "no engine state to dump",
+}
+
+# DeepSpeed features that change what a run trains, which shardax does not do:
+# refused by key (unless every ``enabled`` in them is false).
+_DS_REFUSED = {
+    "compression_training": "DeepSpeed Compression (quantization-aware training, pruning, layer "
+    "reduction) changes the model; shardax does not do it",
+    "data_efficiency": "DeepSpeed Data Efficiency (curriculum learning, random layerwise token "
+    "dropping) changes what each step trains on; shardax does not do it",
+    "curriculum_learning": "curriculum learning changes what each step trains on; shardax does "
+    "not do it",
+    "progressive_layer_drop": "Progressive Layer Dropping skips layers while training; shardax "
+    "does not do it",
+    "sparse_attention": "DeepSpeed's block-sparse attention replaces the model's attention; "
+    "shardax has none",
+}
+
+Put = Callable[[str, str, Any], None]
+Skip = Callable[..., None]
+
 
 def from_deepspeed(
     ds: Mapping[str, Any], *, lossy: bool = False
@@ -41,18 +69,22 @@ def from_deepspeed(
     The conversion never changes what the run computes silently: a key whose
     loss would change the math — an optimizer, scheduler or parameter of
     them that shardax cannot express, a loss-scaling rule it does not have,
+    a feature it does not do (``compression_training``, ``data_efficiency``),
     a key it does not know, fp16 and bf16 both enabled — is a
     :class:`ConfigError` naming it, unless ``lossy`` (``--lossy``), which
     drops it and lists it with the others. Keys that only tune DeepSpeed's
-    own machinery (buckets, overlap, offload, logging) are listed, never an
-    error.
+    own machinery (buckets, overlap, offload, logging, ``autotuning``) are
+    listed, never an error. A value of the wrong type (a template's
+    placeholder) is a :class:`ConfigError` naming its key.
 
     Batch keys (``"auto"`` leaves a size to be computed), ``zero_optimization``
-    (stage, reduce bucket size; offload is listed as unmapped), ``bf16`` /
-    ``fp16`` (loss scale: 0 is dynamic, ``initial_scale_power``,
-    ``loss_scale_window``), ``optimizer`` (DeepSpeed's Adam is AdamW unless
-    ``adam_w_mode`` is false), ``scheduler`` (WarmupLR, WarmupDecayLR,
-    WarmupCosineLR, OneCycle), ``gradient_clipping``, ``steps_per_print``,
+    (stage, reduce bucket size, offload), ``bf16`` / ``fp16`` (loss scale: 0
+    is dynamic, ``initial_scale_power``, ``loss_scale_window``,
+    ``auto_cast``), ``optimizer`` (DeepSpeed's Adam is AdamW unless
+    ``adam_w_mode`` is false; ``bias_correction``), ``scheduler``
+    (WarmupLR, WarmupDecayLR, WarmupCosineLR as ``schedule.deepspeed``:
+    update by update as DeepSpeed steps them; OneCycle with its decay
+    phase), ``gradient_clipping``, ``steps_per_print``,
     ``wall_clock_breakdown``, ``comms_logger`` and the monitors.
 
     >>> data, unmapped = from_deepspeed({"train_batch_size": 32, "zero_optimization": {"stage": 2},
@@ -66,6 +98,14 @@ def from_deepspeed(
     ...
     shardax.errors.ConfigError: DeepSpeed config: cannot convert without changing what the run computes: optimizer.type='OneBitAdam' (shardax has adamw, adam, lion, sgd, adagrad, rmsprop, lamb); pass --lossy (lossy=True) to drop them, listed in the output
     """
+    return _convert(ds, lossy, lambda key: "")
+
+
+def _convert(
+    ds: Mapping[str, Any], lossy: bool, where: Callable[[str], str]
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """:func:`from_deepspeed`, a refused key's reason prefixed by ``where(key)``
+    (a file's ``"line 7: "``)."""
     out: dict[str, Any] = {}
     unmapped: list[tuple[str, str]] = []
     changes: list[str] = []  # dropped keys that change the math
@@ -77,13 +117,13 @@ def from_deepspeed(
         """Drop ``key``; ``math``: the run would compute something else."""
         unmapped.append((key, why if not math or not lossy else f"{why} [changes the math]"))
         if math:
-            changes.append(f"{key} ({why})")
+            changes.append(f"{key} ({where(key)}{why})")
 
     def harmless(key: str, why: str) -> None:
         skip(key, why, math=False)
 
-    enabled = [k for k in ("fp16", "bf16") if _ds_enabled(ds.get(k))]
-    if len(enabled) == 2:
+    sections = [ds.get(k) for k in ("fp16", "bf16")]  # each checked in its turn below
+    if all(isinstance(v, Mapping) and v.get("enabled") is True for v in sections):
         raise ConfigError(
             "DeepSpeed config: fp16 and bf16 are both enabled; DeepSpeed itself refuses this. "
             "Enable one of them"
@@ -98,20 +138,20 @@ def from_deepspeed(
             name = {"train_batch_size": "global", "train_micro_batch_size_per_gpu": "micro",
                     "gradient_accumulation_steps": "accumulation"}[key]  # fmt: skip
             if value != "auto":
-                put("batch", name, int(value))
+                put("batch", name, _whole(key, value, auto=True))
         elif key == "zero_optimization":
-            _ds_zero(value, put, skip)
+            _ds_zero(_section(key, value), put, skip)
         elif key in ("bf16", "fp16"):
-            _ds_precision(key, value, put, skip)
+            _ds_precision(key, _section(key, value), put, skip)
         elif key == "optimizer":
-            _ds_optimizer(value, put, skip)
-        elif key == "scheduler":
-            _ds_scheduler(value, ds, put, skip)
+            _ds_optimizer(_section(key, value), put, skip)
+        elif key == "scheduler":  # last: its learning rate wins over the optimizer's
+            continue
         elif key == "gradient_clipping":
             if value not in (0, 0.0, "auto"):
-                put("optimizer", "clip_global_norm", float(value))
+                put("optimizer", "clip_global_norm", _number(key, value))
         elif key == "steps_per_print":
-            put("monitor", "log_every", int(value))
+            put("monitor", "log_every", _whole(key, value))
         elif key == "wall_clock_breakdown":
             if value:
                 put("monitor", "timers", True)
@@ -120,29 +160,29 @@ def from_deepspeed(
                 put("monitor", "comm", True)
                 for k in value:
                     if k != "enabled":
-                        skip(f"comms_logger.{k}", "the comm log records every collective", False)
+                        harmless(f"comms_logger.{k}", "the comm log records every collective")
         elif key in ("tensorboard", "csv_monitor"):
-            if isinstance(value, Mapping) and value.get("enabled"):
-                writer = "tensorboard" if key == "tensorboard" else "csv"
-                writers = out.setdefault("monitor", {}).setdefault("writers", ["stdout"])
-                writers.append(writer)
-                if value.get("output_path"):
-                    job = value.get("job_name", "")
-                    put(
-                        "monitor",
-                        "dir",
-                        str(Path(value["output_path"]) / job) if job else value["output_path"],
-                    )
+            _ds_monitor(key, value, out)
         elif key in ("wandb", "comet"):
             harmless(key, f"no {key} writer: use tensorboard, csv or jsonl")
         elif key == "activation_checkpointing":
             harmless(key, "activation checkpointing is not a config setting in shardax yet")
+        elif key == "autotuning":
+            harmless(key, _autotuning_note(value))
+        elif key == "cuda_visible_devices":
+            harmless(key, _devices_note(value))
         elif key in _DS_IGNORED:
             harmless(key, _DS_IGNORED[key])
         elif key in _DS_HARMLESS:
             harmless(key, _DS_HARMLESS[key])
+        elif _switched_off(value):
+            harmless(key, "switched off (every `enabled` in it is false): DeepSpeed does nothing")
+        elif key in _DS_REFUSED:
+            skip(key, _DS_REFUSED[key])
         else:
             skip(key, "no shardax setting for it")
+    if "scheduler" in ds:  # DeepSpeed's schedulers set the lr (WarmupCosineLR scales it)
+        _ds_scheduler(_section("scheduler", ds["scheduler"]), ds, put, skip)
     if changes and not lossy:
         raise ConfigError(
             "DeepSpeed config: cannot convert without changing what the run computes: "
@@ -152,26 +192,107 @@ def from_deepspeed(
     return out, unmapped
 
 
-def _ds_enabled(section: Any) -> bool:
-    return isinstance(section, Mapping) and section.get("enabled") not in (None, False, "auto")
+# -- values ---------------------------------------------------------------------
 
 
-_DS_HARMLESS = {
-    "zero_allow_untested_optimizer": "no effect here: shardax runs any optimizer",
-    "flops_profiler": "see shardax.monitor (throughput and MFU)",
-    "memory_breakdown": "see shardax.monitor (memory=True)",
-    "dump_state": "no engine state to dump",
-}
+def _bad(key: str, value: Any, what: str) -> ConfigError:
+    hint = ""
+    word = value.rstrip(",").replace("_", "") if isinstance(value, str) else ""
+    if word.isalnum() and word[:1].isalpha():
+        hint = " (a word where a value belongs: a template's placeholder left unfilled?)"
+    return ConfigError(f"{key} is {what}; got {value!r}{hint}", key)
 
 
-def _ds_zero(zero: Any, put: Callable[..., None], skip: Callable[..., None]) -> None:
+def _whole(key: str, value: Any, auto: bool = False) -> int:
+    """An integer setting (``8.0`` too; ``"8"`` is an error, as in DeepSpeed)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(key, value, 'an integer or "auto"' if auto else "an integer")
+    return value
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(key, value, "a number")
+    return float(value)
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(key, value, "true or false")
+    return value
+
+
+def _section(key: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _bad(key, value, "an object of settings")
+    return value
+
+
+def _ds_enabled(section: Any, key: str = "") -> bool:
+    """Whether a DeepSpeed section is on (``"auto"``: left to the default, off)."""
+    if not isinstance(section, Mapping) or section.get("enabled") in (None, "auto"):
+        return False
+    return _flag(f"{key}.enabled", section["enabled"])
+
+
+def _switched_off(value: Any) -> bool:
+    """A section with ``enabled`` flags (nested too), every one of them false."""
+    flags: list[Any] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, Mapping):
+            if "enabled" in v:
+                flags.append(v["enabled"])
+            for item in v.values():
+                walk(item)
+        elif isinstance(v, list):
+            for item in v:
+                walk(item)
+
+    walk(value)
+    return bool(flags) and all(flag is False for flag in flags)
+
+
+# -- sections -------------------------------------------------------------------
+
+
+def _autotuning_note(value: Any) -> str:
+    return (
+        "recorded for planning, changes nothing the run computes (DeepSpeed's autotuner picks "
+        "micro-batch sizes and ZeRO stages by short trial runs; shardax has none yet): "
+        + json.dumps(value, sort_keys=True)
+    )
+
+
+def _devices_note(value: Any) -> str:
+    slots = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return (
+        "DeepSpeed does not read this key (its launcher sets CUDA_VISIBLE_DEVICES); pick the "
+        f"devices when launching: `shardax launch --devices {slots}`"
+    )
+
+
+def _ds_monitor(key: str, value: Any, out: dict[str, Any]) -> None:
+    if not (isinstance(value, Mapping) and value.get("enabled")):
+        return
+    writer = "tensorboard" if key == "tensorboard" else "csv"
+    monitor = out.setdefault("monitor", {})
+    monitor.setdefault("writers", ["stdout"]).append(writer)
+    if value.get("output_path"):
+        job = value.get("job_name", "")
+        monitor["dir"] = str(Path(value["output_path"]) / job) if job else value["output_path"]
+
+
+def _ds_zero(zero: Mapping[str, Any], put: Put, skip: Skip) -> None:
     for key, value in zero.items():
         where = f"zero_optimization.{key}"
         if key == "stage":
-            put("parallel", "zero", int(value))
+            put("parallel", "zero", _whole(where, value))
         elif key == "reduce_bucket_size":
             if value != "auto":
-                put("parallel", "bucket_bytes", int(float(value)) * 4)  # elements of fp32 grads
+                put("parallel", "bucket_bytes", int(_number(where, value)) * 4)  # fp32 elements
         elif key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
             target = "offload_opt" if key == "offload_optimizer" else "offload_params"
             _ds_offload(value, where, target, put, skip)
@@ -184,13 +305,7 @@ def _ds_zero(zero: Any, put: Callable[..., None], skip: Callable[..., None]) -> 
             skip(where, "no shardax setting for it")
 
 
-def _ds_offload(
-    value: Mapping[str, Any],
-    where: str,
-    target: str,
-    put: Callable[..., None],
-    skip: Callable[..., None],
-) -> None:
+def _ds_offload(value: Mapping[str, Any], where: str, target: str, put: Put, skip: Skip) -> None:
     """``offload_optimizer`` / ``offload_param`` — ``device: cpu | nvme``
     (``nvme_path``) — as ``memory.<target>``: host memory, or files on disk."""
     device = value.get("device", "none")
@@ -207,14 +322,17 @@ def _ds_offload(
             skip(f"{where}.{k}", "shardax streams disk state through its own read-ahead", False)
 
 
-def _ds_precision(
-    key: str, value: Any, put: Callable[..., None], skip: Callable[..., None]
-) -> None:
-    if (
-        not isinstance(value, Mapping)
-        or not value.get("enabled", False)
-        or value["enabled"] == "auto"
-    ):
+def _ds_precision(key: str, value: Mapping[str, Any], put: Put, skip: Skip) -> None:
+    on = _ds_enabled(value, key)
+    if key == "fp16" and "auto_cast" in value and _flag("fp16.auto_cast", value["auto_cast"]):
+        # DeepSpeed's engine casts the forward's floating inputs to fp16 whenever auto_cast
+        # is set (engine._cast_inputs_half), fp16 on or not
+        if on:
+            put("precision", "cast_inputs", True)
+        else:
+            skip("fp16.auto_cast", "DeepSpeed casts the model's floating inputs to fp16 even "
+                 "with fp16 off; shardax casts inputs only to half-precision params")  # fmt: skip
+    if not on:
         return
     put("precision", "params", key)
     if key == "fp16":  # DeepSpeed's defaults for what the file leaves out
@@ -223,20 +341,20 @@ def _ds_precision(
         put("precision", "min_loss_scale", 1.0)
     for k, v in value.items():
         where = f"{key}.{k}"
-        if k == "enabled":
+        if k in ("enabled", "auto_cast"):
             continue
         if key == "fp16" and k == "loss_scale":
-            if float(v) != 0:
+            if _number(where, v) != 0:
                 put("precision", "loss_scale", float(v))
                 put("precision", "dynamic", False)
         elif key == "fp16" and k == "initial_scale_power":
-            put("precision", "loss_scale", float(2 ** int(v)))
+            put("precision", "loss_scale", float(2 ** _whole(where, v)))
         elif key == "fp16" and k == "loss_scale_window":
-            put("precision", "growth_interval", int(v))
+            put("precision", "growth_interval", _whole(where, v))
         elif key == "fp16" and k == "hysteresis":
-            put("precision", "hysteresis", int(v))
+            put("precision", "hysteresis", _whole(where, v))
         elif key == "fp16" and k == "min_loss_scale":
-            put("precision", "min_loss_scale", float(v))
+            put("precision", "min_loss_scale", _number(where, v))
         elif key == "fp16" and k == "consecutive_hysteresis":
             if v:
                 skip(where, "the hysteresis is restored when the scale grows, not at every "
@@ -250,87 +368,172 @@ _DS_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "lamb": "lamb", "lion": "lio
                   "cpuadam": "adam", "deepspeedcpuadam": "adam"}  # fmt: skip
 
 
-def _ds_optimizer(opt: Any, put: Callable[..., None], skip: Callable[..., None]) -> None:
-    kind = str(opt.get("type", "")).lower().replace("_", "")
-    if kind not in _DS_OPTIMIZERS:
+def _optimizer_name(opt: Any) -> str | None:
+    """The shardax optimizer a DeepSpeed ``optimizer`` section makes (None: unknown)."""
+    if not isinstance(opt, Mapping):
+        return None
+    name = _DS_OPTIMIZERS.get(str(opt.get("type", "")).lower().replace("_", ""))
+    params = opt.get("params") or {}
+    if name == "adam" and (not isinstance(params, Mapping) or params.get("adam_w_mode", True)):
+        return "adamw"  # DeepSpeed's Adam decouples weight decay unless told not to
+    return name
+
+
+def _ds_optimizer(opt: Mapping[str, Any], put: Put, skip: Skip) -> None:
+    name = _optimizer_name(opt)
+    if name is None:
         skip(f"optimizer.type={opt.get('type')!r}", f"shardax has {', '.join(OPTIMIZERS)}")
         return
-    params = dict(opt.get("params", {}))
-    name = _DS_OPTIMIZERS[kind]
-    if name == "adam" and params.pop("adam_w_mode", True):
-        name = "adamw"  # DeepSpeed's Adam decouples weight decay unless told not to
     put("optimizer", "type", name)
-    for k, v in params.items():
+    for k, v in _section("optimizer.params", opt.get("params", {})).items():
         where = f"optimizer.params.{k}"
         if v == "auto":
             continue
         if k in ("lr", "eps", "weight_decay", "momentum"):
-            put("optimizer", k, float(v))
+            put("optimizer", k, _number(where, v))
         elif k == "betas":
-            put("optimizer", "betas", [float(b) for b in v])
-        elif k == "bias_correction" and not v:
-            skip(where, "shardax's Adam always corrects the moment bias")
-        elif k in ("torch_adam", "fused", "bias_correction", "amsgrad") and not v:
+            if not isinstance(v, list):
+                raise _bad(where, v, "a list of two numbers")
+            put("optimizer", "betas", [_number(f"{where}[{i}]", b) for i, b in enumerate(v)])
+        elif k == "adam_w_mode":  # Adam: read above; AdamW: DeepSpeed ignores it
+            _flag(where, v)
+        elif k == "bias_correction":
+            if _flag(where, v):
+                continue  # the default
+            if name in ("adam", "adamw"):
+                put("optimizer", "bias_correction", False)  # FusedAdam's bias_correction=False
+            else:
+                skip(where, f"shardax's {name} always corrects the moment bias")
+        elif k in ("torch_adam", "fused", "amsgrad") and not v:
             continue
         else:
             skip(where, "no shardax setting for it")
 
 
-def _ds_scheduler(
-    sched: Any, ds: Mapping[str, Any], put: Callable[..., None], skip: Callable[..., None]
-) -> None:
-    kind = sched.get("type")
-    p = dict(sched.get("params", {}))
-    lr = ds.get("optimizer", {}).get("params", {}).get("lr")
-    used: set[str] = set()
+class _Params:
+    """A scheduler's ``params``, read key by key (``"auto"``: the default);
+    the keys read are remembered, the others are the unmapped ones."""
 
-    def take(key: str, default: Any = None) -> Any:
-        used.add(key)
-        value = p.get(key, default)
+    def __init__(self, kind: str, params: Mapping[str, Any]) -> None:
+        self.kind, self.params, self.used = kind, dict(params), set()
+
+    def take(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        value = self.params.get(key, default)
         return default if value == "auto" else value
 
-    warmup = take("warmup_type", "log")
+    def whole(self, key: str, default: Any = None) -> int | None:
+        value = self.take(key, default)
+        return None if value is None else _whole(f"scheduler.params.{key}", value)
+
+    def number(self, key: str, default: Any = None) -> float:
+        value = self.take(key, default)
+        if value is None:
+            raise ConfigError(
+                f"scheduler.params.{key} is missing: DeepSpeed's {self.kind} needs it",
+                "scheduler.params",
+            )
+        return _number(f"scheduler.params.{key}", value)
+
+
+def _ds_scheduler(sched: Mapping[str, Any], ds: Mapping[str, Any], put: Put, skip: Skip) -> None:
+    kind = sched.get("type")
+    p = _Params(str(kind), _section("scheduler.params", sched.get("params", {})))
     if kind in ("WarmupLR", "WarmupDecayLR"):
         put("schedule", "type", "warmup_constant" if kind == "WarmupLR" else "warmup_linear")
-        put("schedule", "warmup_steps", int(take("warmup_num_steps", 1000)))
-        put("schedule", "init_lr", float(take("warmup_min_lr", 0.0)))
-        peak = take("warmup_max_lr", 0.001)
-        put("optimizer", "lr", float(peak))
-        put("schedule", "warmup", warmup)
+        _ds_warmup(p, put, skip)
+        low = p.number("warmup_min_lr", 0.0)
+        put("schedule", "init_lr", low)
+        if p.take("warmup_max_lr") is not None:
+            put("optimizer", "lr", p.number("warmup_max_lr"))
+        elif kind == "WarmupDecayLR" and "warmup_max_lr" not in p.params:
+            put("optimizer", "lr", 0.001)  # WarmupDecayLR's own default, not the optimizer's lr
+        # else ("auto", or WarmupLR's default None): DeepSpeed warms up to the optimizer's lr
         if kind == "WarmupDecayLR":
-            put("schedule", "total_steps", int(take("total_num_steps")))
-            put("schedule", "end_lr", 0.0)
+            put("schedule", "total_steps", p.whole("total_num_steps"))
+            put("schedule", "end_lr", low)  # DeepSpeed decays back to warmup_min_lr
     elif kind == "WarmupCosineLR":
-        base = float(lr if lr not in (None, "auto") else 1e-3)
+        lr = (ds.get("optimizer") or {}).get("params", {}).get("lr")
+        base = _number("optimizer.params.lr", lr) if lr not in (None, "auto") else 1e-3
         put("schedule", "type", "warmup_cosine")
-        put("schedule", "warmup_steps", int(take("warmup_num_steps", 1000)))
-        put("schedule", "total_steps", int(take("total_num_steps")))
-        put("schedule", "init_lr", base * float(take("warmup_min_ratio", 0.0)))
-        put("schedule", "end_lr", base * float(take("cos_min_ratio", 1e-4)))
-        put("schedule", "warmup", warmup)
+        _ds_warmup(p, put, skip)
+        put("schedule", "total_steps", p.whole("total_num_steps"))
+        put("schedule", "init_lr", base * p.number("warmup_min_ratio", 0.0))
+        put("schedule", "end_lr", base * p.number("cos_min_ratio", 1e-4))
     elif kind == "OneCycle":
-        low, high = float(take("cycle_min_lr")), float(take("cycle_max_lr"))
-        first = int(take("cycle_first_step_size", 2000))
-        second = take("cycle_second_step_size") or first
-        put("schedule", "type", "one_cycle")
-        put("optimizer", "lr", high)
-        put("schedule", "total_steps", first + int(second))
-        put("schedule", "pct_start", first / (first + int(second)))
-        put("schedule", "div_factor", high / low)
-        put("schedule", "final_div_factor", 1.0 / float(take("decay_lr_rate", 0.0) or 1e-4))
-        for k in ("cycle_momentum", "cycle_min_mom", "cycle_max_mom", "decay_mom_rate"):
-            if k in p:
-                used.add(k)
-                skip(f"scheduler.params.{k}", "the momentum is not cycled")
+        _ds_one_cycle(p, ds, put, skip)
     else:
         skip(
             f"scheduler.type={kind!r}",
             "shardax maps WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle",
         )
         return
-    for k in p:
-        if k not in used:
+    for k in p.params:
+        if k not in p.used:
             skip(f"scheduler.params.{k}", "no shardax setting for it")
+
+
+def _ds_warmup(p: _Params, put: Put, skip: Skip) -> None:
+    """What DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR share: the
+    warmup (``warmup_num_steps``, ``warmup_type``), and DeepSpeed's own
+    stepping (``schedule.deepspeed``: update ``k`` at the scheduler's
+    iteration ``k - 1``, over ``max(2, warmup_num_steps)``)."""
+    put("schedule", "deepspeed", True)
+    steps = p.whole("warmup_num_steps", 1000)
+    if steps < 1:  # DeepSpeed's schedulers raise ValueError
+        raise ConfigError(
+            f"scheduler.params.warmup_num_steps is a positive integer, as DeepSpeed's {p.kind} "
+            f"requires; got {steps}",
+            "scheduler.params.warmup_num_steps",
+        )
+    put("schedule", "warmup_steps", steps)
+    warmup = p.take("warmup_type", "log")
+    if warmup not in ("log", "linear"):
+        put("schedule", "warmup", "log")
+        skip(f"scheduler.params.warmup_type={warmup!r}", "DeepSpeed warns and warms up as log "
+             "does; so does the converted schedule", False)  # fmt: skip
+    else:
+        put("schedule", "warmup", warmup)
+
+
+def _ds_one_cycle(p: _Params, ds: Mapping[str, Any], put: Put, skip: Skip) -> None:
+    """DeepSpeed's ``OneCycle`` (``deepspeed/runtime/lr_schedules.py``): the
+    learning rate as ``one_cycle_linear`` — its cycle, stairs and decay
+    phase; the momentum cycling refused where DeepSpeed would do it."""
+    put("schedule", "type", "one_cycle_linear")
+    put("schedule", "init_lr", p.number("cycle_min_lr"))
+    put("optimizer", "lr", p.number("cycle_max_lr"))
+    put("schedule", "up_steps", p.whole("cycle_first_step_size", 2000))
+    for ds_key, key in [("cycle_second_step_size", "down_steps"),
+                        ("cycle_first_stair_count", "up_stairs"),
+                        ("cycle_second_stair_count", "down_stairs"),
+                        ("decay_step_size", "decay_steps")]:  # fmt: skip
+        value = p.whole(ds_key)
+        if value is not None:
+            put("schedule", key, value)
+    if p.take("decay_lr_rate") is not None:
+        put("schedule", "decay_rate", p.number("decay_lr_rate"))
+    cycles = _flag("scheduler.params.cycle_momentum", p.take("cycle_momentum", True))
+    momentum = ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate")
+    for k in momentum:
+        p.take(k)
+    name = _optimizer_name(ds.get("optimizer")) if "optimizer" in ds else "adamw"
+    if cycles and name not in ("sgd", "adagrad", "rmsprop"):  # those have no betas to cycle
+        name = name or "the optimizer"
+        default = "" if "cycle_momentum" in p.params else "on by default: "
+        skip(
+            "scheduler.params.cycle_momentum",
+            f"{default}DeepSpeed's OneCycle cycles {name}'s beta1 from cycle_max_mom down to "
+            "cycle_min_mom and back (0.9, 0.8 by default), grows it by decay_mom_rate after "
+            "the cycle, and sets beta2 to 0.99; shardax's betas are constants: set "
+            "cycle_momentum to false",
+        )
+        return
+    why = ("cycle_momentum is false" if not cycles
+           else f"DeepSpeed does not cycle momentum for {name}: it has no betas")  # fmt: skip
+    for k in momentum:
+        if k in p.params:
+            skip(f"scheduler.params.{k}", f"not used: {why}", False)
 
 
 def to_hjson(

@@ -14,7 +14,14 @@ from ..errors import ConfigError
 from ..pipeline._named import SCHEDULES as PIPELINE_SCHEDULES
 
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adagrad", "rmsprop", "lamb")
-SCHEDULES = ("constant", "warmup_constant", "warmup_cosine", "warmup_linear", "one_cycle")
+SCHEDULES = (
+    "constant",
+    "warmup_constant",
+    "warmup_cosine",
+    "warmup_linear",
+    "one_cycle",
+    "one_cycle_linear",
+)
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = tuple(PIPELINE_SCHEDULES)
 WRITERS = ("stdout", "csv", "jsonl", "tensorboard")

@@ -59,7 +59,7 @@ class RunConfig:
     >>> RunConfig.from_dict({"optimizer": {"typ": "adamw"}})
     Traceback (most recent call last):
     ...
-    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, clip_global_norm, eps, lr, momentum, type, weight_decay
+    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, bias_correction, clip_global_norm, eps, lr, momentum, type, weight_decay
     """
 
     mesh: dict[str, int] = attrs.field(factory=lambda: {"dp": -1}, converter=_mesh)
@@ -242,11 +242,18 @@ class RunConfig:
                 peak, total, pct_start=s.pct_start, div_factor=s.div_factor,
                 final_div_factor=s.final_div_factor,
             )  # fmt: skip
-        if s.warmup == "linear" and s.type == "warmup_cosine":
+        if s.type == "one_cycle_linear":
+            from ..optim._schedules import one_cycle_linear_schedule
+
+            return one_cycle_linear_schedule(
+                s.init_lr, peak, s.up_steps, s.down_steps, decay_rate=s.decay_rate,
+                decay_steps=s.decay_steps, up_stairs=s.up_stairs, down_stairs=s.down_stairs,
+            )  # fmt: skip
+        if s.warmup == "linear" and s.type == "warmup_cosine" and not s.deepspeed:
             return optim.warmup_cosine_decay_schedule(
                 peak, s.warmup_steps, total, init_value=s.init_lr, end_value=s.end_lr
             )
-        if s.warmup == "linear" and s.type == "warmup_linear":
+        if s.warmup == "linear" and s.type == "warmup_linear" and not s.deepspeed:
             return optim.warmup_linear_decay_schedule(
                 peak, s.warmup_steps, total, init_value=s.init_lr, end_value=s.end_lr
             )
@@ -269,20 +276,8 @@ class RunConfig:
                 "norm) and make the optimizer with make_optimizer(clip=False)"
             )
 
-        o, lr = self.optimizer, self.make_schedule()
-        b1, b2 = o.betas
-        makers: dict[str, Callable[[], Any]] = {
-            "adamw": lambda: optim.adamw(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
-            "adam": lambda: optim.adam(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
-            "lion": lambda: optim.lion(lr, b1=b1, b2=b2, weight_decay=o.weight_decay),
-            "sgd": lambda: optim.sgd(lr, momentum=o.momentum, weight_decay=o.weight_decay),
-            "adagrad": lambda: optim.adagrad(lr, eps=o.eps, weight_decay=o.weight_decay),
-            "rmsprop": lambda: optim.rmsprop(
-                lr, eps=o.eps, weight_decay=o.weight_decay, momentum=o.momentum
-            ),
-            "lamb": lambda: optim.lamb(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
-        }
-        opt = makers[o.type]()
+        o = self.optimizer
+        opt = _optimizer(o, self.make_schedule())
         if o.clip_global_norm:  # unclipped, its place kept: the same state either way
             clipping = optim.clip_by_global_norm(o.clip_global_norm) if clip else optim.identity()
             opt = optim.chain(clipping, opt)
@@ -304,6 +299,21 @@ class RunConfig:
         ranks = self.abstract_mesh(world_size).size(p.pp)
         micro = p.pp_micro_batches or 2 * ranks
         return pipeline.schedule(p.pp_schedule, ranks, micro, virtual=p.pp_virtual)
+
+    def make_input_cast(self) -> Callable[[Any], Any]:
+        """With ``precision.cast_inputs`` (DeepSpeed's ``fp16.auto_cast``, on
+        the forward's positional inputs), a function casting the floating
+        tensors in what it is given (tuples, lists, dicts) to the params'
+        dtype, the rest as it is; else the identity.
+
+        >>> import torch
+        >>> cast = RunConfig.from_dict({"precision": {"params": "fp16", "cast_inputs": True}}
+        ...                            ).make_input_cast()
+        >>> x, ids = cast((torch.ones(2), torch.arange(2)))
+        >>> x.dtype, ids.dtype
+        (torch.float16, torch.int64)
+        """
+        return _input_cast(self.precision.params if self.precision.cast_inputs else None)
 
     def make_loss_scale(self) -> Any:
         """A :class:`optim.DynamicLossScale` for fp16 (fixed when
@@ -345,16 +355,16 @@ class RunConfig:
                 f"batch: global {batch.global_size} = micro {batch.micro} x accumulation "
                 f"{batch.accumulation} x data-parallel {self.dp_size(world_size)}",
                 f"optimizer: {o.type}(lr={o.lr:g}, betas={tuple(o.betas)}, eps={o.eps:g}, "
-                f"weight_decay={o.weight_decay:g})"
+                f"weight_decay={o.weight_decay:g}"
+                + (", bias_correction=False)" if not o.bias_correction else ")")
                 + (
                     f", clipped at global norm {o.clip_global_norm:g}" if o.clip_global_norm else ""
                 ),
-                f"schedule: {s.type} (warmup {s.warmup_steps} steps, {s.warmup}); lr at steps "
-                f"0, {s.warmup_steps}, {total - 1}: {lr(0):.3g}, {lr(s.warmup_steps):.3g}, "
-                f"{lr(total - 1):.3g}",
+                _schedule_line(s, lr, total),
                 f"precision: {self.precision.params}"
                 + (" with fp32 master weights" if self.precision.params != "fp32" else "")
-                + (", dynamic loss scale" if self.precision.params == "fp16" else ""),
+                + (", dynamic loss scale" if self.precision.params == "fp16" else "")
+                + (", floating inputs cast to it" if self.precision.cast_inputs else ""),
                 f"steps: {self.steps}, seed {self.seed}",
                 f"checkpoint: {self.checkpoint.dir} every {self.checkpoint.every or 'end'}, "
                 f"keep {self.checkpoint.keep}",
@@ -362,6 +372,59 @@ class RunConfig:
                 *_memory_lines(self.memory),
             ]
         )
+
+
+def _optimizer(o: OptimizerConfig, lr: Callable[[int], float]) -> Any:
+    """The optimizer ``o`` names, on the schedule ``lr``."""
+    from .. import optim
+
+    b1, b2 = o.betas
+    adam = {"b1": b1, "b2": b2, "eps": o.eps, "weight_decay": o.weight_decay}
+    if not o.bias_correction:  # FusedAdam's bias_correction=False
+        adam["bias_correction"] = False
+    makers: dict[str, Callable[[], Any]] = {
+        "adamw": lambda: optim.adamw(lr, **adam),
+        "adam": lambda: optim.adam(lr, **adam),
+        "lion": lambda: optim.lion(lr, b1=b1, b2=b2, weight_decay=o.weight_decay),
+        "sgd": lambda: optim.sgd(lr, momentum=o.momentum, weight_decay=o.weight_decay),
+        "adagrad": lambda: optim.adagrad(lr, eps=o.eps, weight_decay=o.weight_decay),
+        "rmsprop": lambda: optim.rmsprop(
+            lr, eps=o.eps, weight_decay=o.weight_decay, momentum=o.momentum
+        ),
+        "lamb": lambda: optim.lamb(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
+    }
+    return makers[o.type]()
+
+
+def _input_cast(params: str | None) -> Callable[[Any], Any]:
+    """The cast of ``make_input_cast`` to the dtype of ``params`` (None: no cast)."""
+    if params is None:
+        return lambda inputs: inputs
+    import optree
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[params]
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return lambda inputs: optree.tree_map(cast, inputs, none_is_leaf=True)
+
+
+def _schedule_line(s: ScheduleConfig, lr: Callable[[int], float], total: int) -> str:
+    """The plan's line for the schedule: its shape and the lr where it turns."""
+    if s.type == "one_cycle_linear":
+        up = s.up_steps or 0
+        down = up if s.down_steps is None else s.down_steps
+        decay = (f"then {s.init_lr:g} / (1 + {s.decay_rate:g} x steps after / {s.decay_steps})"
+                 if s.decay_rate and s.decay_steps else "then constant")  # fmt: skip
+        steps = [0, up, up + down, max(total - 1, up + down)]
+        shape = f"up {up} steps, down {down}, {decay}"
+    else:
+        steps = [0, s.warmup_steps, total - 1]
+        shape = f"warmup {s.warmup_steps} steps, {s.warmup}"
+    return (f"schedule: {s.type} ({shape}); lr at steps {', '.join(map(str, steps))}: "
+            + ", ".join(f"{lr(k):.3g}" for k in steps))  # fmt: skip
 
 
 def _memory_rules(m: MemoryConfig) -> Any:
@@ -392,8 +455,11 @@ def _memory_lines(m: MemoryConfig) -> list[str]:
 
 
 def _warmup_then(s: ScheduleConfig, peak: float, total: int) -> Callable[[int], float]:
-    """Warmup (linear or DeepSpeed's log) to ``peak``, then constant, cosine
-    or linear decay to ``end_lr`` at ``total``."""
+    """Warmup (linear or log) to ``peak``, then constant, cosine or linear
+    decay to ``end_lr`` at ``total``; with ``deepspeed``, as DeepSpeed's
+    WarmupLR, WarmupDecayLR and WarmupCosineLR step it."""
+    if s.deepspeed:
+        return _deepspeed_warmup(s, peak, total)
     warm, init, end = s.warmup_steps, s.init_lr, s.end_lr
     if s.type != "warmup_constant" and not total > warm:
         raise ConfigError(f"schedule.total_steps ({total}) must exceed warmup_steps ({warm})")
@@ -410,6 +476,21 @@ def _warmup_then(s: ScheduleConfig, peak: float, total: int) -> Callable[[int], 
         return peak + (end - peak) * f
 
     return schedule
+
+
+def _deepspeed_warmup(s: ScheduleConfig, peak: float, total: int) -> Callable[[int], float]:
+    """``warmup_constant``, ``warmup_linear``, ``warmup_cosine`` as DeepSpeed's
+    WarmupLR, WarmupDecayLR, WarmupCosineLR compute them, update by update."""
+    from ..optim._schedules import deepspeed_warmup, deepspeed_warmup_cosine
+
+    if s.type == "warmup_cosine":  # DeepSpeed's ratios of the optimizer's lr
+        return deepspeed_warmup_cosine(
+            peak, s.warmup_steps, total, init_ratio=s.init_lr / peak, end_ratio=s.end_lr / peak,
+            warmup=s.warmup,
+        )  # fmt: skip
+    decay = total if s.type == "warmup_linear" else None
+    return deepspeed_warmup(s.init_lr, peak, s.warmup_steps, decay, end_value=s.end_lr,
+                            warmup=s.warmup)  # fmt: skip
 
 
 def _check_pipeline(config: RunConfig) -> None:

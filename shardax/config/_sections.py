@@ -77,7 +77,9 @@ class ParallelConfig:
 
 @attrs.frozen
 class OptimizerConfig:
-    """The optimizer (``type``) and its hyperparameters."""
+    """The optimizer (``type``) and its hyperparameters; ``bias_correction``
+    (adam, adamw): false divides by neither moment's bias correction, as
+    DeepSpeed's and apex's FusedAdam with ``bias_correction=False``."""
 
     type: str = attrs.field(default="adamw", validator=_in(OPTIMIZERS))
     lr: float = attrs.field(default=1e-3, converter=_as_float("lr"), validator=_positive)
@@ -92,18 +94,39 @@ class OptimizerConfig:
     clip_global_norm: float | None = attrs.field(
         default=None, converter=_optional(_as_float, "clip_global_norm"), validator=_positive
     )
+    bias_correction: bool = attrs.field(default=True, converter=_as_bool("bias_correction"))
 
     def __attrs_post_init__(self) -> None:
         if len(self.betas) != 2:
             raise ConfigError(f"optimizer.betas is two numbers; got {self.betas!r}")
+        if not self.bias_correction and self.type not in ("adam", "adamw"):
+            raise ConfigError(
+                f"bias_correction is false, a switch of adam and adamw only: {self.type} always "
+                "corrects its moments' bias. Use type adam or adamw, or drop bias_correction"
+            )
 
 
 @attrs.frozen
 class ScheduleConfig:
     """The learning-rate schedule (its peak is ``optimizer.lr``):
-    ``warmup_steps`` from ``init_lr`` (``warmup: "linear"`` or DeepSpeed's
-    ``"log"``), then constant, cosine or linear decay to ``end_lr`` at
-    ``total_steps`` (default: the run's steps), or the 1cycle policy."""
+    ``warmup_steps`` from ``init_lr`` (``warmup: "linear"``, or ``"log"``:
+    ``log(step + 1) / log(warmup_steps + 1)`` of the way), then constant,
+    cosine or linear decay to ``end_lr`` at ``total_steps`` (default: the
+    run's steps), or the 1cycle policy: ``one_cycle`` as torch's
+    ``OneCycleLR`` (``pct_start``, ``div_factor``, ``final_div_factor``),
+    ``one_cycle_linear`` as DeepSpeed's ``OneCycle`` — linearly from
+    ``init_lr`` up to ``optimizer.lr`` over ``up_steps``, down again over
+    ``down_steps`` (default ``up_steps``), in ``up_stairs``/``down_stairs``
+    stairs if given, then ``init_lr / (1 + decay_rate * steps_after /
+    decay_steps)`` (``init_lr`` where either is 0).
+
+    ``deepspeed: true`` makes ``warmup_constant``, ``warmup_linear`` and
+    ``warmup_cosine`` DeepSpeed's ``WarmupLR``, ``WarmupDecayLR`` and
+    ``WarmupCosineLR`` update by update (what ``from_deepspeed`` writes):
+    DeepSpeed steps its scheduler after each update, so update ``k`` runs
+    at iteration ``k - 1`` (the first at ``init_lr``, ``WarmupCosineLR``'s
+    at 0), warms up over ``max(2, warmup_steps)`` steps (log: ``log(k) /
+    log(n)``) and decays to ``end_lr`` at update ``total_steps + 1``."""
 
     type: str = attrs.field(default="constant", validator=_in(SCHEDULES))
     warmup_steps: int = attrs.field(
@@ -118,6 +141,53 @@ class ScheduleConfig:
     pct_start: float = attrs.field(default=0.3, converter=_as_float("pct_start"))
     div_factor: float = attrs.field(default=25.0, converter=_as_float("div_factor"))
     final_div_factor: float = attrs.field(default=1e4, converter=_as_float("final_div_factor"))
+    up_steps: int | None = attrs.field(
+        default=None, converter=_optional(_as_int, "up_steps"), validator=_positive
+    )
+    down_steps: int | None = attrs.field(
+        default=None,
+        converter=_optional(_as_int, "down_steps"),
+        validator=attrs.validators.optional(_non_negative),
+    )
+    up_stairs: int = attrs.field(default=0, converter=_as_int("up_stairs"), validator=_non_negative)
+    down_stairs: int | None = attrs.field(
+        default=None,
+        converter=_optional(_as_int, "down_stairs"),
+        validator=attrs.validators.optional(_non_negative),
+    )
+    decay_rate: float = attrs.field(default=0.0, converter=_as_float("decay_rate"))
+    decay_steps: int = attrs.field(
+        default=0, converter=_as_int("decay_steps"), validator=_non_negative
+    )
+    deepspeed: bool = attrs.field(default=False, converter=_as_bool("deepspeed"))
+
+    def __attrs_post_init__(self) -> None:
+        warmups = ("warmup_constant", "warmup_linear", "warmup_cosine")
+        if self.deepspeed and self.type not in warmups:
+            raise ConfigError(
+                f"deepspeed is a setting of schedules {', '.join(warmups)} (stepped as "
+                f"DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR); schedule {self.type} does "
+                "not use it: drop it or set one of those types"
+            )
+        if self.deepspeed and self.warmup_steps < 1:
+            raise ConfigError(
+                "warmup_steps is at least 1 with deepspeed (DeepSpeed's warmup_num_steps is a "
+                f"positive integer); got {self.warmup_steps}"
+            )
+        linear = ("up_steps", "down_steps", "up_stairs", "down_stairs", "decay_rate", "decay_steps")
+        if self.type == "one_cycle_linear":
+            if self.up_steps is None:
+                raise ConfigError(
+                    "up_steps is needed by schedule one_cycle_linear: the steps of its rising "
+                    "half (DeepSpeed's cycle_first_step_size)"
+                )
+            return
+        for name in linear:
+            if getattr(self, name) != attrs.fields_dict(ScheduleConfig)[name].default:
+                raise ConfigError(
+                    f"{name} is a setting of schedule one_cycle_linear; schedule {self.type} "
+                    f"does not use it: drop it or set type: one_cycle_linear"
+                )
 
 
 @attrs.frozen
@@ -125,7 +195,10 @@ class PrecisionConfig:
     """The params' dtype; master weights in fp32 for bf16/fp16; dynamic
     loss scaling for fp16 (``loss_scale``: initial scale, ``None`` for
     dynamic from 2**16, or a fixed number with ``dynamic: false``), with
-    DeepSpeed's ``hysteresis`` and ``min_loss_scale`` as options."""
+    DeepSpeed's ``hysteresis`` and ``min_loss_scale`` as options;
+    ``cast_inputs``: the model's floating-point inputs are cast to the
+    params' dtype (DeepSpeed's ``fp16.auto_cast``; see
+    ``RunConfig.make_input_cast``)."""
 
     params: str = attrs.field(default="fp32", validator=_in(PRECISIONS))
     master_weights: bool = attrs.field(default=True, converter=_as_bool("master_weights"))
@@ -141,6 +214,14 @@ class PrecisionConfig:
     min_loss_scale: float = attrs.field(
         default=0.0, converter=_as_float("min_loss_scale"), validator=_non_negative
     )
+    cast_inputs: bool = attrs.field(default=False, converter=_as_bool("cast_inputs"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.cast_inputs and self.params == "fp32":
+            raise ConfigError(
+                "cast_inputs casts the model's floating-point inputs to the params' half "
+                "dtype, and params is fp32: set params to fp16 (or bf16), or drop cast_inputs"
+            )
 
 
 class ResolvedBatch(NamedTuple):

@@ -104,3 +104,34 @@ def test_bad_schedules_are_clear_errors():
         optim.cosine(1.0, 10.5)
     with pytest.raises(ValueError, match="boundary must be >= 0"):
         optim.piecewise(1.0, {-1: 0.5})
+
+
+def test_deepspeeds_warmup_is_the_native_one_an_update_late():
+    """DeepSpeed steps its scheduler after each update: update ``k + 1`` of
+    its ``WarmupDecayLR`` (linear warmup) runs at the native schedule's
+    step ``k`` (decaying to the warmup's start), update 0 at the start too.
+    The two compute in different orders: a rounding or two of 2**-53 on
+    either side, so 8 half-ulps bound the difference."""
+    from shardax.optim._schedules import deepspeed_warmup
+
+    init, peak, warm, total = 1e-5, 3e-4, 6, 20
+    ours = deepspeed_warmup(init, peak, warm, total, warmup="linear")
+    native = optim.warmup_linear_decay(peak, warm, total, init_value=init, end_value=init)
+    assert ours(0) == native(0) == init
+    for k in range(30):
+        assert ours(k + 1) == pytest.approx(native(k), rel=8 * 2.0**-53, abs=0), k
+    short = deepspeed_warmup(0.0, 1.0, 1, warmup="linear")  # DeepSpeed warms up over >= 2
+    assert [short(k) for k in range(5)] == [0.0, 0.0, 0.5, 1.0, 1.0]
+    short = deepspeed_warmup(0.0, 1.0, 1)  # log: log(k) / log(2), at the peak one update sooner
+    assert [short(k) for k in range(5)] == [0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_bad_deepspeed_schedules_are_clear_errors():
+    from shardax.optim._schedules import deepspeed_warmup, deepspeed_warmup_cosine
+
+    with pytest.raises(ValueError, match="warmup must be 'log' or 'linear'; got 'cosine'"):
+        deepspeed_warmup(0.0, 1.0, 10, warmup="cosine")
+    with pytest.raises(ValueError, match="warmup_steps must be >= 1; got 0"):
+        deepspeed_warmup_cosine(1.0, 0, 10)
+    with pytest.raises(TypeError, match=r"decay_steps must be an int; got 9\.5"):
+        deepspeed_warmup(0.0, 1.0, 4, 9.5)
