@@ -9,7 +9,11 @@ wrappers mask them, inject hyperparameters, accumulate micro-steps, skip
 non-finite steps and keep fp32 master weights; schedules are functions of the
 step. On ``Sharded`` leaves everything runs on local shards, with the state
 in each param's "opt_state" layout, and global statistics (norms, RMS,
-finiteness) reduced over the mesh.
+finiteness) reduced over the mesh. A leaf whose gradient is None (a buffer,
+a frozen layer: what :func:`shardax.value_and_grad` gives where no gradient
+reached) keeps its value and its state everywhere — ``update``,
+``apply_updates``, ``step``, ``fused_step``, ``chain``, ``MultiSteps``,
+master weights — and Adam's step counts are per leaf, as in ``torch.optim``.
 
 A step is taken one of two ways. :func:`step` is ``update`` then
 ``apply_updates``: pure, new trees. :func:`fused_step` gives the one

@@ -13,10 +13,14 @@ from ._base import (
     cast,
     expect_state,
     foreach,
+    is_sharded,
     new_count,
+    new_counts,
+    read_steps,
     transformation,
     zeros_like_state,
 )
+from ._gradless import gradless
 from ._wrappers import zeros_like_updates
 
 __all__ = ["MultiStepsState", "MultiSteps"]
@@ -24,13 +28,16 @@ __all__ = ["MultiStepsState", "MultiSteps"]
 
 class MultiStepsState(NamedTuple):
     """State of :func:`MultiSteps`: micro-steps since the last update, updates
-    done, the inner state, and the sum of the micro-steps' gradients so far
-    (in at least fp32, sharded like the optimizer state)."""
+    done, the inner state, the sum of the micro-steps' gradients so far
+    (in at least fp32, sharded like the optimizer state), and per leaf how
+    many of those micro-steps gave it a gradient (0-d int64; None in a
+    state from before: every leaf, if any micro-step was taken)."""
 
     mini_step: torch.Tensor
     gradient_step: torch.Tensor
     inner_state: Any
     acc_grads: Any
+    acc_count: Any = None
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -47,6 +54,15 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
     state. Zero updates come in the params' layouts when ``params`` are
     given, so applying them moves no data. ``state.mini_step == 0`` after an
     update step.
+
+    A gradient that is None at a micro-step adds nothing (its update is
+    None); at the update, a leaf no micro-step gave a gradient is None to
+    ``inner`` — kept, with its state — and one that got some is stepped by
+    their sum over ``every_k``, as ``torch.optim`` steps ``p.grad``
+    accumulated over the micro-batches of a loss divided by ``every_k``.
+    Wrap the rest of the optimizer (``with_master_weights`` included) in
+    ``MultiSteps``, not the other way round: an outer wrapper keeps a leaf
+    whose gradient is None at the last micro-step.
 
     Args:
         inner: the optimizer to apply every ``every_k`` micro-steps.
@@ -72,26 +88,55 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         acc = optree.tree_unflatten(
             flat.spec, [zeros_like_state(x, _acc_dtype(x.dtype)) for x in flat.leaves]
         )
-        return MultiStepsState(new_count(), new_count(), inner.init(params), acc)
+        counts = new_counts(params)
+        return MultiStepsState(new_count(), new_count(), inner.init(params), acc, counts)
 
     def update(updates: Any, state: MultiStepsState, params: Any = None) -> tuple[Any, Any]:
         expect_state(state, MultiStepsState, what="MultiSteps")
-        flat = Flat(state.acc_grads, "state.acc_grads")
+        counts_tree = state.acc_count
+        if counts_tree is None:  # a state from before: no micro-step yet, or every leaf one
+            some = int(state.mini_step) > 0
+            counts_tree = optree.tree_map(lambda _: torch.tensor(int(some)), state.acc_grads,
+                                          is_leaf=is_sharded)  # fmt: skip
+        found = gradless(updates)  # leaves without a gradient now: nothing added
+        view = state.acc_grads if found is None else found.cut(state.acc_grads)
+        flat = Flat(view, "state.acc_grads")
         acc = flat.locals
         g = cast(flat.align(updates, "updates"), acc)
         acc = foreach(lambda a, g: torch._foreach_add(a, g), acc, g)
+        counted = flat.same(
+            counts_tree if found is None else found.cut(counts_tree), "state.acc_count"
+        )
+        counted = optree.tree_unflatten(
+            flat.spec, torch._foreach_add(counted, 1) if counted else []
+        )
+        acc_grads, acc_count = flat.build(acc), counted
+        if found is not None:
+            acc_grads = found.keep(acc_grads, state.acc_grads)
+            acc_count = found.keep(acc_count, counts_tree)
         mini = int(state.mini_step) + 1
         if mini < every_k:
             zeros = zeros_like_updates(updates, params)
-            return zeros, state._replace(mini_step=state.mini_step + 1, acc_grads=flat.build(acc))
-        mean = foreach(lambda a: torch._foreach_div(a, float(every_k)), acc)
-        new_updates, inner_state = inner.update(flat.build(mean), state.inner_state, params)
-        fresh = [torch.zeros_like(a) for a in acc]
+            return zeros, state._replace(
+                mini_step=state.mini_step + 1, acc_grads=acc_grads, acc_count=acc_count
+            )
+        whole = Flat(acc_grads, "state.acc_grads")
+        stepped = read_steps(whole.same(acc_count, "state.acc_count"))
+        mean = foreach(lambda a: torch._foreach_div(a, float(every_k)), whole.locals)
+        grads = whole.build(mean)
+        if not all(stepped):  # a leaf no micro-step gave a gradient: None to inner
+            leaves, spec = optree.tree_flatten(grads, none_is_leaf=True)
+            it = iter(stepped)
+            grads = optree.tree_unflatten(
+                spec, [None if x is None or not next(it) else x for x in leaves]
+            )
+        new_updates, inner_state = inner.update(grads, state.inner_state, params)
         return new_updates, MultiStepsState(
             torch.zeros_like(state.mini_step),
             state.gradient_step + 1,
             inner_state,
-            flat.build(fresh),
+            whole.build([torch.zeros_like(a) for a in whole.locals]),
+            optree.tree_unflatten(whole.spec, [new_count() for _ in stepped]),
         )
 
-    return transformation(init, update)
+    return transformation(init, update, own_none=True)

@@ -82,10 +82,14 @@ def adam(
     amsgrad: bool = False,
     nesterov: bool = False,
     mu_dtype: torch.dtype | None = None,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """Adam (Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization"),
     as ``torch.optim.Adam``: ``weight_decay`` is L2 regularization added to
-    the gradient (for decoupled decay use :func:`adamw`).
+    the gradient (for decoupled decay use :func:`adamw`). Each leaf keeps
+    its own step count, advanced when it gets a gradient (see
+    :func:`scale_by_adam`; ``bias_correction=False`` is DeepSpeed's
+    ``FusedAdam`` option of that name).
 
     >>> import torch
     >>> from shardax import optim
@@ -100,16 +104,17 @@ def adam(
     """
     reference = _chain(
         add_decayed_weights(weight_decay) if weight_decay else None,
-        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad,
+                      bias_correction=bias_correction),
         scale_by_learning_rate(lr, _owned=True),  # scale_by_adam's new buffers
-    )
+    )  # fmt: skip
     if amsgrad or nesterov or mu_dtype is not None:
         return reference
     at = 1 if weight_decay else 0
     return _fusible(
         reference,
         Kernel(name="adam_l2", lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay,
-               core=at, length=at + 2),
+               core=at, length=at + 2, bias_correction=bias_correction),
     )  # fmt: skip
 
 
@@ -124,6 +129,7 @@ def adamw(
     amsgrad: bool = False,
     nesterov: bool = False,
     mu_dtype: torch.dtype | None = None,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """Adam with decoupled weight decay (Loshchilov & Hutter 2019,
     "Decoupled Weight Decay Regularization"), as ``torch.optim.AdamW``:
@@ -137,6 +143,10 @@ def adamw(
             ``lambda p: optree.tree_map(lambda x: x.ndim > 1, p, is_leaf=...)``
             to spare biases and norms.
         amsgrad, nesterov, mu_dtype: see :func:`scale_by_adam`.
+        bias_correction: divide the moments by ``1 - b**t`` (``t``: the
+            leaf's own step count, as ``torch.optim``); False is DeepSpeed's
+            and apex's ``FusedAdam(bias_correction=False)``: ``m / (sqrt(v)
+            + eps)``, in the fused kernel too.
 
     >>> import torch
     >>> from shardax import optim
@@ -156,16 +166,17 @@ def adamw(
     the chain's either way.
     """
     reference = chain(  # scale_by_adam makes new buffers: decayed and scaled in place
-        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad),
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nesterov=nesterov, amsgrad=amsgrad,
+                      bias_correction=bias_correction),
         add_decayed_weights(weight_decay, mask, _owned=True),
         scale_by_learning_rate(lr, _owned=True),
-    )
+    )  # fmt: skip
     if mask is not None or amsgrad or nesterov or mu_dtype is not None:
         return reference
     return _fusible(
         reference,
         Kernel(name="adamw", lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay,
-               core=0, length=3),
+               core=0, length=3, bias_correction=bias_correction),
     )  # fmt: skip
 
 

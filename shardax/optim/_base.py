@@ -20,6 +20,7 @@ from ..shard._memory import allocate
 from ..shard._placement import memory_kind, role_layout
 from ..shard._sharded import Sharded
 from ..shard._transfer import transfer
+from ._gradless import gradless, keep_gradless
 
 __all__ = [
     "ChainFusion",
@@ -74,9 +75,15 @@ class EmptyState(NamedTuple):
 
 
 def transformation(
-    init: Callable[[Any], Any], update: Callable[..., tuple[Any, Any]]
+    init: Callable[[Any], Any], update: Callable[..., tuple[Any, Any]], *, own_none: bool = False
 ) -> GradientTransformation:
-    """``GradientTransformation(init, update)`` with both under ``no_grad``."""
+    """``GradientTransformation(init, update)`` with both under ``no_grad``,
+    and ``update`` under the rule for leaves without a gradient
+    (:func:`~shardax.optim._gradless.keep_gradless`) — unless ``own_none``:
+    ``update`` takes None updates itself (a wrapper that hands the whole
+    params on)."""
+    if not own_none:
+        update = keep_gradless(update)
     return GradientTransformation(torch.no_grad()(init), torch.no_grad()(update))
 
 
@@ -96,7 +103,7 @@ class Kernel:
 
     >>> from shardax import optim
     >>> optim.adamw(1e-3).fusion
-    Kernel(name='adamw', lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, core=0, length=3)
+    Kernel(name='adamw', lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, core=0, length=3, bias_correction=True)
     """
 
     name: Literal["adamw", "adam_l2", "lion", "adagrad", "rmsprop"] = attrs.field(
@@ -109,6 +116,9 @@ class Kernel:
     weight_decay: float = attrs.field(default=0.0, converter=float)
     core: int
     length: int = attrs.field()
+    bias_correction: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    """Adam's division of the moments by ``1 - b**t`` (False: DeepSpeed's
+    ``bias_correction=False``)."""
 
     @length.validator
     def _check(self, _: Any, length: int) -> None:
@@ -279,9 +289,15 @@ def structure_error(tree: Any, ref: Any, what: str, ref_what: str) -> ValueError
             f"same key paths, different containers: {optree.tree_structure(tree, is_leaf=is_sharded)}"
             f" vs {optree.tree_structure(ref, is_leaf=is_sharded)}"
         )
+    hint = ""
+    if missing and what in ("updates", "grads"):
+        hint = (
+            " (a leaf without a gradient stays in the tree as None, as value_and_grad gives it; "
+            "it is then left as it is)"
+        )
     return ValueError(
         f"{what} does not have the structure of {ref_what} ({'; '.join(parts)}); pass the tree "
-        "the optimizer was initialized for"
+        f"the optimizer was initialized for{hint}"
     )
 
 
@@ -395,6 +411,63 @@ def new_count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
+def new_counts(params: Any, what: str = "params") -> Any:
+    """One step counter per leaf of ``params`` (:func:`new_count` each),
+    for the state of a leaf that advances only when it gets a gradient —
+    ``torch.optim``'s per-parameter ``state["step"]``."""
+    leaves, spec = flatten(params, what)
+    return optree.tree_unflatten(spec, [new_count() for _ in leaves])
+
+
+def counts_per_leaf(count: Any, like: Any) -> Any:
+    """``count`` as one counter per leaf of ``like`` (a params-shaped state
+    tree): a state from before counts were per leaf holds one 0-d count for
+    every leaf, which each leaf takes a copy of."""
+    if isinstance(count, torch.Tensor) and not isinstance(like, torch.Tensor | Sharded):
+        return optree.tree_map(lambda _: count.clone(), like, is_leaf=is_sharded)
+    return count
+
+
+def read_steps(counts: Sequence[torch.Tensor]) -> list[int]:
+    """The values of 0-d integer counters (a TypeError naming the first
+    that is not one): on the CPU, where ``init`` puts them, one ``.item()``
+    each (the cheapest read); elsewhere (a state loaded onto a GPU) in one
+    copy, not one device sync per leaf."""
+    if counts and isinstance(counts[0], torch.Tensor) and not counts[0].is_cpu:
+        counts = list(torch.stack([c.reshape(()) for c in counts]).cpu())
+    out = [c.item() if isinstance(c, torch.Tensor) and c.numel() == 1 else c for c in counts]
+    for c in out:
+        if not isinstance(c, int):
+            raise TypeError(
+                f"a step count is a 0-d integer tensor (what init made); got {c!r}: pass the "
+                "state the optimizer's init (or the last step) returned"
+            )
+    return out
+
+
+def by_step(
+    steps: Sequence[int] | None, fn: Callable[..., Any], *lists: Sequence[Any], nout: int = 1
+) -> Any:
+    """:func:`foreach` of ``fn(step, *lists)`` once per group of positions
+    that share a step — one group on almost every call; ``steps`` None: one
+    group, ``fn(None, ...)``."""
+    first = steps[0] if steps else None
+    if steps is None or all(t == first for t in steps):
+        return foreach(functools.partial(fn, first), *lists, nout=nout)
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(steps):
+        groups.setdefault(t, []).append(i)
+    results: list[list[Any]] = [[None] * len(steps) for _ in range(nout)]
+    for t, idx in groups.items():
+        out = foreach(
+            functools.partial(fn, t), *[[lst[i] for i in idx] for lst in lists], nout=nout
+        )
+        for res, part in zip(results, (out,) if nout == 1 else out, strict=True):
+            for j, i in enumerate(idx):
+                res[i] = part[j]
+    return results[0] if nout == 1 else tuple(results)
+
+
 def expect_state(state: Any, *types: type, what: str) -> None:
     """A clear error when a transform gets someone else's state."""
     if not isinstance(state, types):
@@ -458,16 +531,29 @@ def apply_updates(params: Any, updates: Any, *, donate: bool = False) -> Any:
     the optimizer ran on shards of replicated params (ZeRO-1/2) — and the
     result keeps the param's layout (and placement).
 
+    A param whose update is None (its gradient was: a buffer, a frozen
+    layer) is left as it is — the same tensor, whatever its dtype.
+
     Args:
         params: a pytree of tensors or Sharded values.
-        updates: a pytree of the same structure (what ``update`` returned).
+        updates: a pytree of the same structure (what ``update`` returned),
+            None where a param stays as it is.
         donate: update the params' buffers in place.
 
     >>> import torch
     >>> from shardax import optim
     >>> optim.apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})
     {'w': tensor([1.5000, 1.5000], dtype=torch.bfloat16)}
+    >>> optim.apply_updates({"w": torch.ones(1), "n": torch.tensor([7])}, {"w": torch.ones(1), "n": None})
+    {'w': tensor([2.]), 'n': tensor([7])}
     """
+    found = gradless(updates)
+    if found is not None and found.matches(params):
+        return found.keep(_apply(found.cut(params), updates, donate), params)
+    return _apply(params, updates, donate)
+
+
+def _apply(params: Any, updates: Any, donate: bool) -> Any:
     with torch.no_grad():
         flat = Flat(params, "params")
         out = []

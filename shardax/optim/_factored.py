@@ -28,21 +28,25 @@ from ._base import (
     is_sharded,
     leaf_path,
     new_count,
+    read_steps,
     role_layout,
     structure_error,
     transformation,
     validate,
 )
+from ._gradless import keep_gradless
 
 __all__ = ["FactoredRmsState", "scale_by_factored_rms"]
 
 
 class FactoredRmsState(NamedTuple):
-    """State of :func:`scale_by_factored_rms`: the step count; for factored
-    leaves the row and column statistics (None in ``v``); for the others the
-    full second moment (None in ``v_row``/``v_col``)."""
+    """State of :func:`scale_by_factored_rms`: the step counts (one 0-d
+    int64 per leaf, advanced only where a gradient came, as
+    ``torch.optim.Adafactor``'s per-parameter step); for factored leaves
+    the row and column statistics (None in ``v``); for the others the full
+    second moment (None in ``v_row``/``v_col``)."""
 
-    count: torch.Tensor
+    count: Any
     v_row: Any
     v_col: Any
     v: Any
@@ -161,10 +165,27 @@ def scale_by_factored_rms(
         def build(leaves: list[Any]) -> Any:
             return optree.tree_unflatten(spec, leaves)
 
-        return FactoredRmsState(new_count(), build(rows), build(cols), build(vs))
+        return FactoredRmsState(build([new_count() for _ in leaves]), build(rows), build(cols),
+                                build(vs))  # fmt: skip
 
     def update(updates: Any, state: FactoredRmsState, params: Any = None) -> tuple[Any, Any]:
         expect_state(state, FactoredRmsState, what="scale_by_factored_rms")
+        if isinstance(state.count, torch.Tensor):  # one count for every leaf (an older state)
+            per_leaf = [
+                None if r is None and v is None else state.count.clone()
+                for r, v in zip(
+                    optree.tree_leaves(state.v_row, none_is_leaf=True, is_leaf=is_sharded),
+                    optree.tree_leaves(state.v, none_is_leaf=True, is_leaf=is_sharded),
+                    strict=True,
+                )
+            ]
+            spec = optree.tree_structure(state.v_row, none_is_leaf=True, is_leaf=is_sharded)
+            if not spec.is_leaf():
+                state = state._replace(count=optree.tree_unflatten(spec, per_leaf))
+        return step(updates, state, params)
+
+    @keep_gradless
+    def step(updates: Any, state: FactoredRmsState, params: Any = None) -> tuple[Any, Any]:
         leaves, spec = flatten(updates, "updates")
 
         def up_to(tree: Any, what: str) -> list[Any]:
@@ -173,15 +194,16 @@ def scale_by_factored_rms(
             except ValueError:
                 raise structure_error(tree, updates, what, "updates") from None
 
-        rows, cols, vs = (
+        rows, cols, vs, counts = (
             up_to(state.v_row, "state.v_row"),
             up_to(state.v_col, "state.v_col"),
             up_to(state.v, "state.v"),
+            up_to(state.count, "state.count"),
         )
-        t = int(state.count) - step_offset + 1
-        decay = 1.0 - float(t) ** (-decay_rate) if t > 0 else 0.0
         out_u, out_r, out_c, out_v = [], [], [], []
-        for i, g in enumerate(leaves):
+        for i, (g, s) in enumerate(zip(leaves, read_steps(counts), strict=True)):
+            t = s - step_offset + 1  # this leaf's step
+            decay = 1.0 - float(t) ** (-decay_rate) if t > 0 else 0.0
             path = lambda i=i: leaf_path(updates, i)  # noqa: E731
             u, r, c, v = _update_leaf(g, rows[i], cols[i], vs[i], dims(g), decay, epsilon, path)
             out_u.append(u)
@@ -189,14 +211,14 @@ def scale_by_factored_rms(
             out_c.append(c)
             out_v.append(v)
         new = FactoredRmsState(
-            state.count + 1,
+            optree.tree_unflatten(spec, torch._foreach_add(counts, 1) if counts else []),
             optree.tree_unflatten(spec, out_r),
             optree.tree_unflatten(spec, out_c),
             optree.tree_unflatten(spec, out_v),
         )
         return optree.tree_unflatten(spec, out_u), new
 
-    return transformation(init, update)
+    return transformation(init, update, own_none=True)
 
 
 def _check_kind(g: Leaf, stat: Any, path: Any, what: str) -> None:

@@ -17,7 +17,7 @@ import ctypes
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -37,7 +37,7 @@ SHADOWS = {torch.float16: 2, torch.bfloat16: 3}
 
 def _adam(k: Kernel, t: int, rate: float) -> tuple[float, ...]:
     b1, b2 = k.betas
-    bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+    bc1, bc2 = (1.0 - b1**t, 1.0 - b2**t) if k.bias_correction else (1.0, 1.0)
     return 1.0 - b1, b2, 1.0 - b2, bc2**0.5, k.eps, 1.0 / bc1, k.weight_decay, -rate
 
 
@@ -59,8 +59,11 @@ def _rmsprop(k: Kernel, t: int, rate: float) -> tuple[float, ...]:
 class Algorithm:
     """What one kernel reads and writes: its C ``function``; the type of
     the core transform's ``state`` and its ``buffers`` (trees, in the
-    kernel's order; one: read and written in place); whether that state is
-    ``counted`` (a step count); whether the weight decay goes into the
+    kernel's order; one: read and written in place); the state's step
+    ``counts`` — none, one ``"shared"`` by every leaf (advanced every step,
+    read by no arithmetic), or one ``"per leaf"`` (Adam's bias correction:
+    advanced where a gradient came, each leaf stepped with its own);
+    whether the weight decay goes into the
     gradient (``l2``: the reference decays a low-precision gradient in its
     own dtype, a rounding the kernel does not make, so with decay it reads
     fp32 gradients only); and its ``arity`` ``scalars`` at step ``t`` (from
@@ -69,7 +72,7 @@ class Algorithm:
     function: str
     state: type
     buffers: Callable[[Any], tuple[Any, ...]]
-    counted: bool
+    counts: Literal["none", "shared", "per leaf"]
     l2: bool
     scalars: Callable[[Kernel, int, float], tuple[float, ...]]
     arity: int
@@ -82,23 +85,23 @@ def _adam_buffers(s: ScaleByAdamState) -> tuple[Any, ...]:
 ALGORITHMS = {
     "adamw": Algorithm(
         function="sx_adamw", state=ScaleByAdamState, buffers=_adam_buffers,
-        counted=True, l2=False, scalars=_adam, arity=8,
+        counts="per leaf", l2=False, scalars=_adam, arity=8,
     ),
     "adam_l2": Algorithm(
         function="sx_adam_l2", state=ScaleByAdamState, buffers=_adam_buffers,
-        counted=True, l2=True, scalars=_adam, arity=8,
+        counts="per leaf", l2=True, scalars=_adam, arity=8,
     ),
     "lion": Algorithm(
         function="sx_lion", state=ScaleByLionState, buffers=lambda s: (s.mu,),
-        counted=True, l2=False, scalars=_lion, arity=4,
+        counts="shared", l2=False, scalars=_lion, arity=4,
     ),
     "adagrad": Algorithm(
         function="sx_adagrad", state=ScaleByRssState, buffers=lambda s: (s.sum_of_squares,),
-        counted=False, l2=True, scalars=_adagrad, arity=3,
+        counts="none", l2=True, scalars=_adagrad, arity=3,
     ),
     "rmsprop": Algorithm(
         function="sx_rmsprop", state=ScaleByRmsState, buffers=lambda s: (s.nu,),
-        counted=False, l2=True, scalars=_rmsprop, arity=5,
+        counts="none", l2=True, scalars=_rmsprop, arity=5,
     ),
 }  # fmt: skip
 """Each :class:`Kernel` name's algorithm."""

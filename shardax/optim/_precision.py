@@ -25,6 +25,7 @@ from ._base import (
     role_layout,
     transformation,
 )
+from ._gradless import gradless
 from ._norms import all_finite
 
 __all__ = ["DynamicLossScale", "MasterWeightsState", "with_master_weights"]
@@ -95,18 +96,27 @@ def with_master_weights(
     def update(updates: Any, state: MasterWeightsState, params: Any = None) -> tuple[Any, Any]:
         expect_state(state, MasterWeightsState, what="with_master_weights")
         needs_params(params, "with_master_weights")
-        flat = Flat(state.master, "state.master")
+        # None gradients stay None: the inner optimizer keeps those leaves
+        found = gradless(updates)
+        flat = Flat(state.master if found is None else found.cut(state.master), "state.master")
         grads = flat.build([g.to(dtype) for g in flat.align(updates, "updates")])
-        p = flat.align(params, "params")
+        # the inner optimizer sees the whole master copy (MultiSteps may step a leaf whose
+        # gradient came at an earlier micro-step), and says which leaves it updates
         inner_updates, inner_state = inner.update(grads, state.inner_state, state.master)
         new_master = apply_updates(state.master, inner_updates)
+        kept = gradless(inner_updates)
+        if kept is not None:
+            new_view, params = kept.cut(new_master), kept.cut(params)
+        else:
+            new_view = new_master
+        done = Flat(new_view, "master")
         out = [
             m.to(x.dtype).to(dtype) - x.to(dtype)
-            for m, x in zip(Flat(new_master, "master").locals, p, strict=True)
+            for m, x in zip(done.locals, done.align(params, "params"), strict=True)
         ]
-        return flat.build(out), MasterWeightsState(new_master, inner_state)
+        return done.build(out), MasterWeightsState(new_master, inner_state)
 
-    reference = transformation(init, update)
+    reference = transformation(init, update, own_none=True)
     if isinstance(inner, Fusible):
         return Fusible(reference.init, reference.update, MasterFusion(inner, dtype))
     return reference

@@ -3,7 +3,8 @@
 stepper that writes the params and the state in place: in one native pass
 where the transformation names its kernel, a ``Fusible``, and the kernels
 cover the call; else ``update`` and ``apply_updates(donate=True)``). Both
-leave a leaf whose gradient is None as it is, with its state.
+leave a leaf whose gradient is None as it is, with its state (the rule of
+``_gradless``, which the fused path follows too).
 
 The fused path is chosen from what every rank sees alike — dtypes, devices,
 layouts, the structure of the state, the step's learning rate — never from
@@ -12,14 +13,13 @@ values, and before anything is written, so ranks never take different paths.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import optree
 import torch
 
-from .._tree import flatten_with_paths
 from ..shard._memory import allocate, is_disk, kind_of, release
 from ..shard._sharded import Sharded
 from ..shard._transfer import transfer
@@ -33,7 +33,9 @@ from ._base import (
     apply_updates,
     is_sharded,
     local,
+    read_steps,
 )
+from ._gradless import gradless
 from ._native import ALGORITHMS, GRADS, SHADOWS, Native, native, on_disk, stream
 from ._precision import MasterWeightsState
 from ._transforms import ScaleByScheduleState
@@ -65,8 +67,9 @@ def step(
     A leaf whose gradient is None — a buffer, a parameter no gradient
     reached (:func:`shardax.value_and_grad` gives None there, as PyTorch
     leaves ``p.grad`` None) — is left as it is, with its optimizer state:
-    no weight decay, no momentum, as ``torch.optim`` skips it. (A shared
-    step count still advances.)
+    no weight decay, no momentum, its own step count unchanged, as
+    ``torch.optim`` skips it (``update`` and :func:`apply_updates` follow
+    the same rule; a schedule's step still advances).
 
     Args:
         optimizer: a :class:`GradientTransformation`.
@@ -85,11 +88,6 @@ def step(
     >>> new["w"], new["frozen"], params["w"]
     (tensor([-0.1000,  0.1000,  0.0000]), tensor([1.]), tensor([0., 0., 0.]))
     """
-    frozen = _gradless(grads, params)
-    if frozen:
-        return _keeping(
-            frozen, grads, state, params, lambda g, s, p: step(optimizer, g, s, p, donate=donate)
-        )
     updates, new_state = optimizer.update(grads, state, params)
     new_params = apply_updates(params, updates, donate=donate)
     return keep_memory(params, new_params, donate), keep_memory(state, new_state, donate)
@@ -183,12 +181,6 @@ class FusedStep:
             grads: the gradients, a tree like ``params`` (None where there is none).
             state: the optimizer state (donated).
         """
-        frozen = _gradless(grads, params)
-        if frozen:
-            return _keeping(frozen, grads, state, params, self._step)
-        return self._step(grads, state, params)
-
-    def _step(self, grads: Tree, state: Tree, params: Tree) -> Stepped:
         tx = self.transformation
         with torch.no_grad():
             done = None
@@ -282,8 +274,10 @@ def _master_step(
         return None
     if not isinstance(state, MasterWeightsState):
         return None
-    leaves, spec = optree.tree_flatten(params)
-    master = Flat(state.master, "state.master")
+    found = gradless(grads)  # leaves without a gradient: out of the master copy and the params
+    copy = state.master if found is None else found.cut(state.master)
+    leaves, spec = optree.tree_flatten(params if found is None else found.cut(params))
+    master = Flat(copy, "state.master")
     if spec != master.spec or not _covered(leaves, _LOW):
         return None
     direct = isinstance(fusion.inner.fusion, Kernel)
@@ -292,51 +286,60 @@ def _master_step(
     if _laid_out_like(leaves, master.leaves):
         given = [local(x) for x in leaves]
         targets = [x if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype) for x in given]
-        done = _fused(lib, fusion.inner, grads, state.inner_state, state.master, targets, direct)
+        done = _fused(lib, fusion.inner, grads, state.inner_state, copy, targets, direct)
         if done is None:
             return None
         for x, t in zip(given, targets, strict=True):
             if t is not x:
                 x.copy_(t)
-        return params, MasterWeightsState(*done)
+        return params, MasterWeightsState(state.master, done[1])  # written in place
     if not all(isinstance(x, Sharded) for x in (*leaves, *master.leaves)):
         return None  # plain tensors of other shapes, or Sharded meeting dense: update names them
-    done = _fused(lib, fusion.inner, grads, state.inner_state, state.master, None, direct)
+    done = _fused(lib, fusion.inner, grads, state.inner_state, copy, None, direct)
     if done is None:
         return None
     for p, m in zip(leaves, Flat(done[0], "master").leaves, strict=True):
         rounded = m.with_local(m.local.to(p.dtype))
         p.local.copy_(transfer(rounded, p.layout).local)
-    return params, MasterWeightsState(*done)
+    return params, MasterWeightsState(state.master, done[1])
 
 
 def _kernel_step(
     lib: Native, kernel: Kernel, grads: Tree, state: Tree, params: Tree,
     shadows: list[torch.Tensor] | None, widened: bool,
 ) -> Stepped | None:  # fmt: skip
-    """One native call over every leaf: the core state's buffers and step
-    counts advanced in place, and the params written where they are — or,
-    laid out unlike the state (ZeRO-1/2), the updates written and applied."""
+    """One native call over every leaf with a gradient (one per distinct
+    step count: one, but where some leaf missed steps): the core state's
+    buffers and step counts advanced in place, and the params written where
+    they are — or, laid out unlike the state (ZeRO-1/2), the updates
+    written and applied. Leaves whose gradient is None are not read."""
     algorithm = ALGORITHMS[kernel.name]
     if not (isinstance(state, tuple) and len(state) == kernel.length):
         return None
     core, last = state[kernel.core], state[-1]
     if type(core) is not algorithm.state:
         return None
-    counts = [core.count] if algorithm.counted else []
+    found = gradless(grads)
+    view = core if found is None else found.cut_state(core)  # the leaves with a gradient
+    shared = [core.count] if algorithm.counts == "shared" else []
     if callable(kernel.lr):
         if type(last) is not ScaleByScheduleState:
             return None
-        counts.append(last.count)
-    if not all(isinstance(c, torch.Tensor) and c.numel() == 1 for c in counts):
+        shared.append(last.count)
+    if not all(isinstance(c, torch.Tensor) and c.numel() == 1 for c in shared):
         return None
-    trees = algorithm.buffers(core)
+    trees = algorithm.buffers(view)
     buffers = _buffers(trees)
     if buffers is None:
         return None
     ref, spec, locals_ = buffers
+    counts: list[torch.Tensor] = []
+    if algorithm.counts == "per leaf":
+        counts, c_spec = optree.tree_flatten(view.count)
+        if c_spec != spec:
+            return None  # one count for every leaf (an older state): update makes it per leaf
 
-    p_leaves, p_spec = optree.tree_flatten(params)
+    p_leaves, p_spec = optree.tree_flatten(params if found is None else found.cut(params))
     if p_spec != spec:
         return None
     given = _plain(p_leaves, ref, _F32)
@@ -355,7 +358,7 @@ def _kernel_step(
     g = _plain(g_leaves, ref, g_types)
     if g is None and not _covered(g_leaves, g_types):
         return None
-    rate = float(kernel.lr(int(counts[-1]))) if callable(kernel.lr) else kernel.lr
+    rate = float(kernel.lr(int(shared[-1]))) if callable(kernel.lr) else kernel.lr
     if rate < 0:
         return None  # the reference raises the clear error
 
@@ -371,15 +374,19 @@ def _kernel_step(
         aligned = flat.align_flat(p_leaves, params, "params")  # (and checked before any write)
         p = [local(x).contiguous() if kernel.weight_decay else None for x in aligned]
         out = [torch.empty(x.shape, dtype=torch.float32) for x in locals_[0]]
-    t = int(core.count) + 1 if algorithm.counted else 0
     s0, s1 = locals_[0], locals_[-1]
-    scalars = algorithm.scalars(kernel, t, rate)
-    args = (algorithm.function, s0, s1, g, p, out, shadows, in_place, scalars)
-    if on_disk(s0, s1, g, p, out):  # rules.offload: streamed in waves, read ahead
-        stream(lib, *args)  # type: ignore[arg-type]
-    else:
-        lib.launch(*args)  # type: ignore[arg-type]
-    for count in counts:
+    lists = (s0, s1, g, p, out, shadows)
+    steps = [t + 1 for t in read_steps(counts)] if kernel.bias_correction else []
+    for t, idx in _by_value(steps):
+        part = lists if idx is None else [None if x is None else [x[i] for i in idx] for x in lists]
+        args = (algorithm.function, *part, in_place, algorithm.scalars(kernel, t, rate))
+        if on_disk(*part[:5]):  # rules.offload: streamed in waves, read ahead
+            stream(lib, *args)  # type: ignore[arg-type]
+        else:
+            lib.launch(*args)  # type: ignore[arg-type]
+    if counts:
+        torch._foreach_add_(counts, 1)
+    for count in shared:
         count.add_(1)
     if not in_place:
         return apply_updates(params, flat.build(out), donate=True), state
@@ -387,6 +394,18 @@ def _kernel_step(
         if x is not y:  # a strided param took its result in a copy
             x.copy_(y)  # type: ignore[arg-type]
     return params, state
+
+
+def _by_value(steps: list[int]) -> list[tuple[int, list[int] | None]]:
+    """``(t, positions)`` for each distinct step ``t`` — positions None
+    where it is every leaf's, or no step is read (one launch over the whole
+    lists)."""
+    if not steps or all(t == steps[0] for t in steps):
+        return [(steps[0] if steps else 1, None)]
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(steps):
+        groups.setdefault(t, []).append(i)
+    return list(groups.items())
 
 
 def _buffers(trees: Sequence[Tree]) -> tuple[list, Any, list[list]] | None:
@@ -451,89 +470,3 @@ def _plain(
             return None
         out.append(t)
     return out
-
-
-# -- leaves without a gradient --------------------------------------------------------------
-
-
-def _gradless(grads: Tree, params: Tree) -> list[int]:
-    """The indices of params' leaves whose gradient is None (none where the
-    trees do not line up: ``update`` names the difference)."""
-    if grads is None or params is None:
-        return []
-    # (Sharded is no pytree node: optree takes it as a leaf without an
-    # is_leaf callback, which would cost a Python call per node)
-    g_leaves = optree.tree_leaves(grads, none_is_leaf=True)
-    if all(g is not None for g in g_leaves):  # every step of most models: no paths built
-        return []
-    g_paths = flatten_with_paths(grads, is_leaf=is_sharded, none_is_leaf=True)[0]
-    if g_paths != flatten_with_paths(params, is_leaf=is_sharded)[0]:
-        return []
-    return [i for i, g in enumerate(g_leaves) if g is None]
-
-
-def _keeping(
-    frozen: list[int],
-    grads: Tree,
-    state: Tree,
-    params: Tree,
-    take: Callable[[Tree, Tree, Tree], Stepped],
-) -> Stepped:
-    """``take(grads, state, params)`` on the trees without the leaves
-    ``frozen`` (params, grads and every params-shaped part of the state:
-    None there), which are put back as they were."""
-    p_paths, p_leaves, p_spec = flatten_with_paths(params, is_leaf=is_sharded)
-    gone = set(frozen)
-
-    def cut(leaves: list[Any]) -> list[Any]:
-        return [None if i in gone else x for i, x in enumerate(leaves)]
-
-    kept: list[list[Any]] = []
-
-    def cut_state(leaves: list[Any]) -> list[Any]:
-        kept.append(leaves)
-        return cut(leaves)
-
-    def put_back(leaves: list[Any], old: list[Any]) -> list[Any]:
-        return [old[i] if i in gone else x for i, x in enumerate(leaves)]
-
-    g_leaves = flatten_with_paths(grads, is_leaf=is_sharded, none_is_leaf=True)[1]
-    new_params, new_state = take(
-        optree.tree_unflatten(p_spec, cut(g_leaves)),
-        _map_param_shaped(state, p_paths, cut_state, none_is_leaf=False),
-        optree.tree_unflatten(p_spec, cut(p_leaves)),
-    )
-    olds = iter(kept)
-    new_leaves = flatten_with_paths(new_params, is_leaf=is_sharded, none_is_leaf=True)[1]
-    return (
-        optree.tree_unflatten(p_spec, put_back(new_leaves, p_leaves)),
-        _map_param_shaped(
-            new_state, p_paths, lambda leaves: put_back(leaves, next(olds)), none_is_leaf=True
-        ),
-    )
-
-
-def _map_param_shaped(
-    state: Tree, p_paths: list[str], fn: Callable[[list[Any]], list[Any]], none_is_leaf: bool
-) -> Tree:
-    """``state`` with ``fn`` applied to the leaves of every subtree laid out
-    like the params (the moments, master weights), in order; with
-    ``none_is_leaf``, a None in such a subtree counts as a leaf."""
-
-    def visit(node: Any) -> Any:
-        if is_sharded(node) or isinstance(node, torch.Tensor) or node is None:
-            return node
-        paths, leaves, spec = flatten_with_paths(
-            node, is_leaf=is_sharded, none_is_leaf=none_is_leaf
-        )
-        if paths == p_paths:
-            return optree.tree_unflatten(spec, fn(leaves))
-        if isinstance(node, dict):
-            return type(node)((k, visit(v)) for k, v in node.items())
-        if optree.is_namedtuple(node):
-            return type(node)(*(visit(v) for v in node))
-        if isinstance(node, tuple | list):
-            return type(node)(visit(v) for v in node)
-        return node
-
-    return visit(state)

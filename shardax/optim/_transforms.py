@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from ._base import (
@@ -17,15 +18,20 @@ from ._base import (
     Flat,
     GradientTransformation,
     Schedule,
+    by_step,
     cast,
+    counts_per_leaf,
     expect_state,
     foreach,
     needs_params,
     new_count,
+    new_counts,
+    read_steps,
     transformation,
     tree_zeros_state,
     validate,
 )
+from ._gradless import keep_gradless
 
 __all__ = [
     "ScaleByAdamState",
@@ -259,9 +265,12 @@ def trace(
 
 
 class ScaleByAdamState(NamedTuple):
-    """State of :func:`scale_by_adam`: step count, first and second moments."""
+    """State of :func:`scale_by_adam`: the step counts — one 0-d int64 per
+    leaf, like the params, advanced only where a gradient came (as
+    ``torch.optim``'s per-parameter ``state["step"]``) — and the first and
+    second moments."""
 
-    count: torch.Tensor
+    count: Any
     mu: Any
     nu: Any
 
@@ -270,7 +279,7 @@ class ScaleByAmsgradState(NamedTuple):
     """State of :func:`scale_by_adam` with ``amsgrad=True``: also the running
     maximum of the second moment."""
 
-    count: torch.Tensor
+    count: Any
     mu: Any
     nu: Any
     nu_max: Any
@@ -289,6 +298,7 @@ def scale_by_adam(
     mu_dtype: torch.dtype | None = None,
     nesterov: bool = False,
     amsgrad: bool = False,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """Rescale by Adam's bias-corrected moments (Kingma & Ba 2015):
     ``m̂ / (sqrt(v̂ + eps_root) + eps)``.
@@ -296,7 +306,10 @@ def scale_by_adam(
     The arithmetic follows ``torch.optim.Adam``: ``amsgrad`` keeps the
     running maximum of the raw second moment (Reddi et al. 2018);
     ``nesterov`` uses Nesterov momentum as in NAdam (Dozat 2016, without
-    momentum decay, as optax does).
+    momentum decay, as optax does). Each leaf keeps its own step count ``t``
+    for the bias correction, advanced only when the leaf gets a gradient: a
+    leaf whose update is None keeps its moments and its count, as
+    ``torch.optim`` skips a parameter whose ``grad`` is None.
 
     Args:
         b1, b2: decay rates of the first and second moments, in [0, 1).
@@ -305,6 +318,9 @@ def scale_by_adam(
         mu_dtype: dtype of the first moment (default: the param's).
         nesterov: use Nesterov momentum.
         amsgrad: use the AMSGrad maximum.
+        bias_correction: divide the moments by ``1 - b1**t`` and
+            ``1 - b2**t``; False gives ``m / (sqrt(v + eps_root) + eps)``, as
+            DeepSpeed's and apex's ``FusedAdam(bias_correction=False)``.
 
     >>> import torch
     >>> from shardax import optim
@@ -312,64 +328,77 @@ def scale_by_adam(
     >>> u, state = opt.update(torch.tensor([2.0, -3.0]), opt.init(torch.zeros(2)))
     >>> u.round(decimals=4)        # the first step is sign(g) (up to eps)
     tensor([ 1., -1.])
+    >>> u, _ = optim.scale_by_adam(bias_correction=False).update(torch.tensor([2.0]), opt.init(torch.zeros(1)))
+    >>> u                          # (0.1 * 2) / sqrt(0.001 * 4)
+    tensor([3.1623])
     """
     b1, b2 = _beta("b1", b1), _beta("b2", b2)
     eps, eps_root = validate("eps", eps), validate("eps_root", eps_root)
+    if not isinstance(bias_correction, bool):
+        raise TypeError(f"bias_correction must be a bool; got {bias_correction!r}")
+
+    def correction(b: float, t: int) -> float:
+        return 1.0 - b**t if bias_correction else 1.0
 
     def init(params: Any) -> ScaleByAdamState | ScaleByAmsgradState:
         mu, nu = tree_zeros_state(params, mu_dtype), tree_zeros_state(params)
         if amsgrad:
-            return ScaleByAmsgradState(new_count(), mu, nu, tree_zeros_state(params))
-        return ScaleByAdamState(new_count(), mu, nu)
+            return ScaleByAmsgradState(new_counts(params), mu, nu, tree_zeros_state(params))
+        return ScaleByAdamState(new_counts(params), mu, nu)
 
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        expect_state(
-            state, ScaleByAmsgradState if amsgrad else ScaleByAdamState, what="scale_by_adam"
-        )
+    def math(t: int, mu: list, nu: list, nu_max: list, g: list) -> tuple[list, ...]:
+        # new moments: the state passed in keeps its values
+        bc1, bc2 = correction(b1, t), correction(b2, t)
+        gm, gv = cast(g, mu), cast(g, nu)
+        mu = torch._foreach_lerp(mu, gm, 1.0 - b1)
+        nu = torch._foreach_mul(nu, b2)
+        torch._foreach_addcmul_(nu, gv, gv, 1.0 - b2)
+        nu_max = torch._foreach_maximum(nu_max, nu) if amsgrad else nu
+        if eps_root:
+            denom = torch._foreach_add(nu_max, eps_root * bc2)
+            torch._foreach_sqrt_(denom)
+        else:
+            denom = torch._foreach_sqrt(nu_max)
+        torch._foreach_div_(denom, bc2**0.5)
+        torch._foreach_add_(denom, eps)
+        if nesterov:
+            num = torch._foreach_mul(mu, b1 / correction(b1, t + 1))
+            torch._foreach_add_(num, gm, alpha=(1.0 - b1) / bc1)
+            u = torch._foreach_div(num, cast(denom, num))
+        elif all(d.dtype == m.dtype for d, m in zip(denom, mu, strict=True)):
+            torch._foreach_div_(denom, mu)  # the update, in the denominator's buffer
+            torch._foreach_reciprocal_(denom)
+            torch._foreach_mul_(denom, 1.0 / bc1)
+            u = denom
+        else:
+            u = torch._foreach_div(mu, cast(denom, mu))
+            torch._foreach_mul_(u, 1.0 / bc1)
+        return u, mu, nu, nu_max
+
+    @keep_gradless
+    def step(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         flat = Flat(state.nu, "state.nu")
         nu = flat.locals
         mu = flat.same(state.mu, "state.mu")
         nu_max = flat.same(state.nu_max, "state.nu_max") if amsgrad else nu
+        counts = flat.same(state.count, "state.count")
         g = flat.align(updates, "updates")
-        t = int(state.count) + 1
-        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-
-        def math(mu: list, nu: list, nu_max: list, g: list) -> tuple[list, ...]:
-            # new moments: the state passed in keeps its values
-            gm, gv = cast(g, mu), cast(g, nu)
-            mu = torch._foreach_lerp(mu, gm, 1.0 - b1)
-            nu = torch._foreach_mul(nu, b2)
-            torch._foreach_addcmul_(nu, gv, gv, 1.0 - b2)
-            nu_max = torch._foreach_maximum(nu_max, nu) if amsgrad else nu
-            if eps_root:
-                denom = torch._foreach_add(nu_max, eps_root * bc2)
-                torch._foreach_sqrt_(denom)
-            else:
-                denom = torch._foreach_sqrt(nu_max)
-            torch._foreach_div_(denom, bc2**0.5)
-            torch._foreach_add_(denom, eps)
-            if nesterov:
-                num = torch._foreach_mul(mu, b1 / (1.0 - b1 ** (t + 1)))
-                torch._foreach_add_(num, gm, alpha=(1.0 - b1) / bc1)
-                u = torch._foreach_div(num, cast(denom, num))
-            elif all(d.dtype == m.dtype for d, m in zip(denom, mu, strict=True)):
-                torch._foreach_div_(denom, mu)  # the update, in the denominator's buffer
-                torch._foreach_reciprocal_(denom)
-                torch._foreach_mul_(denom, 1.0 / bc1)
-                u = denom
-            else:
-                u = torch._foreach_div(mu, cast(denom, mu))
-                torch._foreach_mul_(u, 1.0 / bc1)
-            return u, mu, nu, nu_max
-
-        u, mu, nu, nu_max = foreach(math, mu, nu, nu_max, g, nout=4)
-        count = state.count + 1
+        steps = [t + 1 for t in read_steps(counts)] if bias_correction else None
+        u, mu, nu, nu_max = by_step(steps, math, mu, nu, nu_max, g, nout=4)
+        count = optree.tree_unflatten(flat.spec, torch._foreach_add(counts, 1) if counts else [])
         if amsgrad:
             new = ScaleByAmsgradState(count, flat.build(mu), flat.build(nu), flat.build(nu_max))
             return flat.build(u), new
         return flat.build(u), ScaleByAdamState(count, flat.build(mu), flat.build(nu))
 
-    return transformation(init, update)
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        expect_state(
+            state, ScaleByAmsgradState if amsgrad else ScaleByAdamState, what="scale_by_adam"
+        )
+        # a state whose one count stands for every leaf: each leaf its copy, then the rule
+        return step(updates, state._replace(count=counts_per_leaf(state.count, state.nu)), params)
+
+    return transformation(init, update, own_none=True)
 
 
 class ScaleByLionState(NamedTuple):

@@ -22,6 +22,7 @@ from ._base import (
     structure_error,
     transformation,
 )
+from ._gradless import gradless
 from ._norms import all_finite
 
 __all__ = [
@@ -103,8 +104,14 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
 
     def update(updates: Any, state: MaskedState, params: Any = None) -> tuple[Any, Any]:
         expect_state(state, MaskedState, what="masked")
+        # a mask function sees the whole params; a leaf whose update is None (no
+        # gradient) is None in the params the inner transformation gets
+        mask_tree = mask(updates if params is None else params) if callable(mask) else mask
+        found = gradless(updates)
+        if found is not None:
+            params = found.cut(params)
         leaves, spec = flatten(updates, "updates")
-        flags = _mask_flags(mask, updates if params is None else params, "params")
+        flags = _mask_flags(mask_tree, updates if params is None else params, "params")
         sub_params = None if params is None else select(params, flags, spec, updates)
         sub_updates = select(updates, flags, spec, updates)
         new_sub, inner_state = inner.update(sub_updates, state.inner_state, sub_params)
@@ -112,7 +119,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
         out = [n if f else x for x, n, f in zip(leaves, new_leaves, flags, strict=True)]
         return optree.tree_unflatten(spec, out), MaskedState(inner_state)
 
-    return GradientTransformation(init, update)
+    return transformation(init, update, own_none=True)
 
 
 # -- inject_hyperparams ---------------------------------------------------------
@@ -270,13 +277,17 @@ def apply_if_finite(
             inner_state,
         )
 
-    return transformation(init, update)
+    return transformation(init, update, own_none=True)  # the whole params, to inner
 
 
 def zeros_like_updates(updates: Any, params: Any) -> Any:
     """Zero updates, in the params' layouts when there are params (nothing to
-    gather when they are applied), else in the updates'."""
+    gather when they are applied), else in the updates'; None where the
+    update is None (a leaf without a gradient)."""
     tree = params if params is not None else updates
+    found = gradless(updates)
+    if found is not None:
+        tree = found.cut(tree)
     leaves, spec = flatten(tree, "params" if params is not None else "updates")
     zeros = [
         x.with_local(torch.zeros_like(x.local)) if is_sharded(x) else torch.zeros_like(local(x))

@@ -103,6 +103,26 @@ def nadam_ref(lr: float, b1: float, b2: float, eps: float) -> Callable:
     return step
 
 
+def deepspeed_adam_ref(lr: float, wd: float, adam_w_mode: bool) -> Callable:
+    """DeepSpeed 0.19.8's ``FusedAdam(bias_correction=False)`` (betas 0.9,
+    0.999, eps 1e-8), as ``ops/csrc/adam/multi_tensor_adam.cu`` writes it —
+    ``bias_correction1 = bias_correction2 = 1`` unless ``bias_correction ==
+    1``, so ``m / (sqrt(v) + eps)`` — and ``cpu_adam.h`` alike: ADAM_MODE_1
+    (``adam_w_mode``) decays the param, ADAM_MODE_0 adds ``decay * p`` to
+    the gradient (L2)."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+
+    def step(p: dict, g: dict, s: dict) -> None:
+        for k in p:
+            grad = g[k] if adam_w_mode else g[k] + wd * p[k]
+            m = s[("m", k)] = b1 * s.get(("m", k), 0.0) + (1 - b1) * grad
+            v = s[("v", k)] = b2 * s.get(("v", k), 0.0) + (1 - b2) * grad * grad
+            update = m / (v.sqrt() + eps) + (wd * p[k] if adam_w_mode else 0.0)
+            p[k] = p[k] - lr * update
+
+    return step
+
+
 T = torch.optim
 OPTIMIZERS: dict[str, Case] = {
     "sgd": Case(lambda: optim.sgd(0.1), lambda ps: T.SGD(ps, lr=0.1)),
@@ -124,6 +144,14 @@ OPTIMIZERS: dict[str, Case] = {
     "adamw": Case(
         lambda: optim.adamw(1e-2, weight_decay=0.1),
         lambda ps: T.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    ),
+    "adamw_no_bias_correction": Case(
+        lambda: optim.adamw(1e-3, weight_decay=0.1, bias_correction=False),
+        hand_ref=deepspeed_adam_ref(1e-3, 0.1, adam_w_mode=True),
+    ),
+    "adam_l2_no_bias_correction": Case(
+        lambda: optim.adam(1e-3, weight_decay=0.1, bias_correction=False),
+        hand_ref=deepspeed_adam_ref(1e-3, 0.1, adam_w_mode=False),
     ),
     "adagrad": Case(
         lambda: optim.adagrad(0.1, initial_accumulator_value=0.1, weight_decay=0.01),
@@ -157,6 +185,8 @@ NAMES = list(OPTIMIZERS)
 FUSED = [
     "adam",
     "adamw",
+    "adamw_no_bias_correction",
+    "adam_l2_no_bias_correction",
     "adagrad",
     "rmsprop",
     "lion",
@@ -277,6 +307,51 @@ def test_update_mutates_nothing_it_is_given(name, master):
         for a, b in zip(before, inputs, strict=True):
             assert torch.equal(a, b), f"{name} mutated an input in step {step}"
         params, state = new_params, new_state
+
+
+SKIPPED = {1, 2, 4}  # the steps at which b1 gets no gradient
+
+
+@pytest.mark.parametrize(
+    ("name", "via"), [(n, "update") for n in NAMES] + [(n, "fused") for n in FUSED]
+)
+def test_a_leaf_without_a_gradient_keeps_its_state_and_steps_as_if_alone(name, via):
+    """The rule for leaves without a gradient: where b1's gradient is None
+    its update is None and it keeps its value (the same tensor); where it
+    gets one, it steps bit for bit as the optimizer on b1 alone (stepped
+    the same way), given only those gradients — its state, its own step count included, was
+    kept (as ``torch.optim`` keeps ``state["step"]`` per parameter), while
+    the other leaves step every time. (Every optimizer here keeps per-leaf
+    statistics; a global-norm clip would not.)"""
+    make = OPTIMIZERS[name].make
+    opt, params = make(), init_params()
+    state = opt.init(params)
+    alone = {k: (make(), {k: v}) for k, v in params.items()}
+    alone = {k: (o, p, o.init(p)) for k, (o, p) in alone.items()}
+    for step in range(6):
+        grads = grads_at(params, step)
+        if step in SKIPPED:
+            grads["b1"] = None
+        before = params["b1"]
+        if via == "update":
+            updates, state = opt.update(grads, state, params)
+            assert (updates["b1"] is None) == (step in SKIPPED)
+            params = optim.apply_updates(params, updates)
+        else:
+            params, state = optim.fused_step(opt).step(dict(params), grads, state)
+        if step in SKIPPED:
+            assert params["b1"] is before
+        for k, g in grads.items():
+            if g is None:
+                continue
+            o, p, s = alone[k]
+            if via == "update":
+                u, s = o.update({k: g}, s, p)
+                alone[k] = (o, optim.apply_updates(p, u), s)
+            else:
+                alone[k] = (o, *optim.fused_step(o).step(p, {k: g}, s))
+    for k, (_, p, _) in alone.items():
+        torch.testing.assert_close(params[k], p[k], rtol=0, atol=0, msg=f"{name}: {k}")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -251,6 +251,8 @@ def test_bad_hyperparameters_are_clear_errors():
         optim.adamw("fast")
     with pytest.raises(ValueError, match="Nesterov momentum needs momentum"):
         optim.sgd(0.1, nesterov=True)
+    with pytest.raises(TypeError, match="bias_correction must be a bool; got 0"):
+        optim.adamw(1e-3, bias_correction=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="every_k"):
         optim.MultiSteps(optim.sgd(0.1), every_k=0)
     with pytest.raises(ValueError, match="max_norm"):
