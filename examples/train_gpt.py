@@ -20,12 +20,17 @@ validation loss at the end and a sample of generated text.
 Checkpoints are sharded (``sx.ckpt``): every ``--save-every`` steps and at
 the end, each rank writes its own shards of the parameters and optimizer
 state, with the step and every rank's RNG state, into
-``--out/step-NNNNNNNN`` — in the background, while training goes on.
+``--out/step-NNNNNNNN`` — in the background while training goes on (a copy
+of the state held meanwhile), the last one in place once training is done.
 ``--resume`` continues from the latest one (``--resume PATH`` from that
-one), bit for bit as if the run had not stopped when the number of ranks is
-the same; on another number of ranks the values load all the same (each
-rank reads its new shards) and ``--rng reseed`` (or ``skip``) says what
-becomes of the RNG states, which cannot be split or merged. Turn one into a plain safetensors file of the weights with
+one) on any number of ranks: each rank reads its new shards into
+placeholders that hold no memory. On the saved number of ranks the RNG
+states are restored and the run goes on bit for bit as if it had not
+stopped; on another, where a rank's random stream cannot be split or
+merged, each rank's generators are seeded from the checkpoint and the rank
+(``--rng``: the default ``reseed`` does both; ``restore`` refuses another
+number of ranks, ``skip`` leaves the generators) — the resume line says
+which. Turn one into a plain safetensors file of the weights with
 
     shardax ckpt consolidate checkpoints/train_gpt/step-00000300 gpt.safetensors --only params
 
@@ -50,6 +55,9 @@ loss lines. At the end rank 0 writes the loss record
 next to the checkpoints: ``loss.csv`` (step, loss, lr, tokens/s, and the
 validation loss on the last row) and, where matplotlib is installed,
 ``loss.png``; without it, a sparkline of the loss curve is printed instead.
+Last, it prints each phase's peak resident memory per rank (init, resume,
+step, save, eval, sample; the most of any rank): the run's peak is the
+training step's.
 """
 
 from __future__ import annotations
@@ -111,23 +119,12 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def sequence_piece(y: torch.Tensor, sp: str | None, mesh: sx.Mesh) -> torch.Tensor:
-    """The targets this rank's logits predict: with Ulysses sequence
-    parallelism (``parallel.sp``) each rank's logits are its piece of the
-    sequence, so its targets are the same piece.
-
-    >>> sequence_piece(torch.arange(4)[None], None, sx.Mesh({"dp": 1}))
-    tensor([[0, 1, 2, 3]])
-    """
-    return y if sp is None else y.chunk(mesh.size(sp), dim=1)[mesh.axis_index(sp)]
-
-
 def evaluate(
     loss_of: Callable, params: dict, batches: list[dict], mesh: sx.Mesh, axes: Sequence[str]
 ) -> float:
     """Mean loss on ``batches`` (each rank its own: ``loss_of(params,
-    batch)``), averaged over ``axes`` (the data axis, and the sequence
-    axis whose ranks hold pieces of the sequence)."""
+    batch)``), averaged over ``axes`` (the data axes: the logits are whole
+    on the ranks of every other axis)."""
     with torch.no_grad():
         total = sum(loss_of(params, b) for b in batches)
     return float(sx.collectives.pmean(total / len(batches), tuple(axes), mesh=mesh))
@@ -146,11 +143,7 @@ def pipelined(
     stage (the same on every rank of the pipeline: what ``val_fn``
     returns), the gradients clipped by the whole model's norm."""
     tp, sp, clip = run.parallel.tp, run.parallel.sp, run.optimizer.clip_global_norm
-
-    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if tp is not None:  # the head's logits are this rank's vocabulary piece
-            return sx.vocab_parallel_cross_entropy(logits.float(), y, tp, mesh=mesh.submesh(tp))
-        return cross_entropy(logits, sequence_piece(y, sp, mesh))
+    loss_fn = cross_entropy  # the logits are whole under tp and sp too
 
     # the rules give the stand-ins of the outer modules (run by middle stages) their pieces
     rules = {"rules": run.make_rules()} if tp is not None or sp is not None else {}
@@ -300,10 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rng",
         choices=sx.ckpt.RNG_POLICIES,
-        default="restore",
-        help="on --resume, each rank's RNG state: as saved (the same number of ranks: the run "
-        "continues bit for bit), reseed (restored where the rank count matches, else seeded "
-        "from the checkpoint and the rank) or skip",
+        default="reseed",
+        help="on --resume, each rank's RNG state: reseed restores it as saved where the number "
+        "of ranks is the checkpoint's (the run continues bit for bit) and otherwise seeds it "
+        "from the checkpoint and the rank (a rank's random stream cannot be split or merged); "
+        "restore insists on the saved states (another number of ranks is an error); skip "
+        "leaves it. The resume line says which happened",
     )
     parser.add_argument(
         "--metrics", type=Path, help="append each step's loss and lr as JSON lines (rank 0)"
@@ -708,6 +703,99 @@ def loss_record(directory: Path, rows: list[dict[str, Any]], start: int) -> list
     ]
 
 
+# -- resuming ---------------------------------------------------------------------------
+
+
+def resume_path(resume: Path | bool | None, manager: sx.ckpt.CheckpointManager) -> Path | None:
+    """The checkpoint ``--resume`` continues from: the one named, or the
+    latest in ``--out`` (None while there is none)."""
+    if resume is True:
+        latest = manager.latest()
+        return None if latest is None else manager.path(latest)
+    return resume or None
+
+
+def rng_outcome(policy: str, index: Any, world: int) -> str:
+    """What ``--rng policy`` made of the RNG states of a checkpoint (its
+    index) on ``world`` ranks, in words: the default, ``reseed``, restores
+    them where the number of ranks is the saved one, else seeds each rank's
+    generators from the checkpoint and the rank.
+
+    >>> from types import SimpleNamespace as Index
+    >>> rng_outcome("reseed", Index(world_size=2, rng={0: {}, 1: {}}), 2)
+    'rng: restored as saved'
+    >>> rng_outcome("reseed", Index(world_size=2, rng={0: {}, 1: {}}), 3)
+    'rng: reseeded from the checkpoint and the rank (saved on 2 ranks, resumed on 3)'
+    """
+    if policy == "skip":
+        return "rng: left as it was (--rng skip)"
+    if index.world_size == world and set(index.rng) == set(range(world)):
+        return "rng: restored as saved"
+    why = f"saved on {index.world_size} ranks, resumed on {world}" if index.rng else "none saved"
+    return f"rng: reseeded from the checkpoint and the rank ({why})"
+
+
+# -- peak memory by phase -------------------------------------------------------------
+
+PHASES = ("init", "resume", "step", "save", "eval", "sample")
+
+
+def _high_water_mib() -> float | None:
+    """This process's peak resident memory since the last reset (``VmHWM``), in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _reset_high_water() -> bool:
+    """Set the peak back to the current resident memory (Linux 4.0 and later)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PhasePeaks:
+    """The peak resident memory (RSS) of each phase of the run, in MiB: the
+    kernel's high-water mark (``VmHWM``) read when a phase ends and reset
+    when the next one starts (``/proc/self/clear_refs``), so a phase's peak
+    is its own, the memory it found included. A phase entered many times
+    (``step``, ``save``) keeps its highest. Where the kernel has no such
+    reset (not Linux), ``works`` is False and nothing is recorded."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, float] = {}
+        self.current: str | None = None
+        self.works = _high_water_mib() is not None and _reset_high_water()
+
+    def enter(self, phase: str | None) -> None:
+        """End the current phase (recording its peak) and start ``phase``."""
+        if not self.works:
+            return
+        if self.current is not None and (peak := _high_water_mib()) is not None:
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), peak)
+        self.current = phase
+        _reset_high_water()
+
+    def line(self, mesh: sx.Mesh) -> str | None:
+        """Every rank's peaks gathered (collective): the highest of any rank
+        per phase, as one line; None where not measured."""
+        self.enter(None)
+        if not self.works:
+            return None
+        mine = torch.tensor([self.peaks.get(p, 0.0) for p in PHASES], dtype=torch.float64)
+        if mesh.world_size > 1:
+            mine = sx.collectives.all_gather(mine[None], mesh.axis_names, 0, mesh=mesh)
+        peaks = mine.reshape(-1, len(PHASES)).amax(0).tolist()
+        top = max(range(len(PHASES)), key=lambda i: peaks[i])
+        parts = ", ".join(f"{p} {v:.0f}" for p, v in zip(PHASES, peaks, strict=True) if v > 0)
+        return f"peak RSS per rank (MiB, the most of any rank): {parts}; peak in {PHASES[top]}"
+
+
 def _remat(run: sx.config.RunConfig) -> str:
     """The remat rule the run adds, as it prints."""
     return "; ".join(repr(r.remat) for r in run.make_rules().modules if r.remat is not None)
@@ -715,6 +803,8 @@ def _remat(run: sx.config.RunConfig) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    phases = PhasePeaks()  # each phase's peak memory, printed at the end
+    phases.enter("init")
     run = args.run
     info = sx.init()
     mesh = sx.Mesh(run.mesh)
@@ -767,16 +857,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     with torch.device("meta"):
         model = GPT(cfg)
+    ckpt = run.checkpoint
+    manager = sx.ckpt.CheckpointManager(
+        ckpt.dir, every=ckpt.every or steps, keep=ckpt.keep, async_save=ckpt.async_save
+    )
+    # The last save writes the state from where it lives: in the background it would first
+    # copy all of it (the state's size again in memory), yet nothing changes it after the
+    # last step and the run waits for the save before it ends.
+    last_save = attrs.evolve(manager, async_save=False)
+    resume_from = resume_path(args.resume, manager)
+    rules = run.make_rules()
+
+    def new_params(mesh: sx.Mesh, only: Any = None) -> dict[str, sx.Sharded]:
+        """This rank's shards, initialised; or, to resume, stand-ins on
+        ``meta`` (layouts and memory kinds, no memory) that the checkpoint's
+        values replace: the rank never holds its state twice."""
+        if resume_from is None:
+            return sx.init_params(model, mesh, rules, only=only)
+        keep = None if only is None else set(only)
+        shapes = {k: v for k, v in sx.params_of(model).items() if keep is None or k in keep}
+        return sx.shard(shapes, mesh, rules)
+
     torch.manual_seed(run.seed)
     pipe = run.make_pipeline(info.world_size)  # a pipeline schedule, with --pp
     if pipe is None:
-        params = sx.init_params(model, mesh, run.make_rules())
+        params = new_params(mesh)
     else:  # each rank holds its stages' parameters, laid out over the other axes
         pp = run.parallel.pp
         stage_mesh = mesh.submesh([a for a in mesh.axis_names if a != pp])
         stages = sx.pipeline.split(model, pipe.stages)
         mine = stages.local(sx.params_of(model), pipe, mesh.axis_index(pp))  # its key paths
-        params = sx.init_params(model, stage_mesh, run.make_rules(), only=mine)
+        params = new_params(stage_mesh, only=mine)
         say(f"pipeline: {pipe.stages} stages ({stages.counts} blocks) on {pp}={mesh.size(pp)}, "
             f"{run.parallel.pp_schedule} over {pipe.micro_batches} micro-batches")  # fmt: skip
     schedule = run.make_schedule()
@@ -785,53 +896,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dtype != torch.float32:  # compute in bf16/fp16; fp32 master weights in the optimizer state
         params = {k: v.astype(dtype) for k, v in params.items()}  # kept where it lives
     loss_scale = run.make_loss_scale()  # fp16: dynamic loss scaling
-    opt_state = opt.init(params)
+    opt_state = opt.init(params)  # on meta too, resuming: the checkpoint fills it
 
-    ckpt = run.checkpoint
-    manager = sx.ckpt.CheckpointManager(
-        ckpt.dir, every=ckpt.every or steps, keep=ckpt.keep, async_save=ckpt.async_save
-    )
     meta = {"preset": args.preset, "config": attrs.asdict(cfg), "seed": run.seed}
     meta.update(sx.ckpt.model_metadata(model))  # tied names: the consolidated file loads strictly
     start = 0
-    if args.resume:
+    if args.resume and resume_from is None:
+        say(f"no checkpoint in {ckpt.dir}: starting from step 0")
+    elif resume_from is not None:
+        phases.enter("resume")
         target = {"params": params, "opt_state": opt_state, "step": 0}
         strict = True if pipe is None else "target"  # a pipeline rank: its stages' part
-        latest = args.resume is True
-        where = manager.path(manager.latest() or 0) if latest else args.resume
         try:
-            if latest:
-                restored = manager.restore(target, rng=args.rng, strict=strict)
-            else:
-                state = sx.ckpt.load(args.resume, target, rng=args.rng, strict=strict)
-                restored = int(state["step"]), state
+            state = sx.ckpt.load(resume_from, target, rng=args.rng, strict=strict)
         except sx.CheckpointError as err:
             if "rng='restore'" not in str(err):
                 raise
             raise sx.CheckpointError(f"{err} (the flags: --rng reseed or --rng skip)") from None
-        if restored is None:
-            say(f"no checkpoint in {ckpt.dir}: starting from step 0")
-        else:
-            start, state = restored
-            params, opt_state = state["params"], state["opt_state"]
-            say(f"resumed from {where} at step {start} (rng: {args.rng})")
+        start, params, opt_state = int(state["step"]), state["params"], state["opt_state"]
+        del target, state  # the stand-ins, and a second name for the state
+        outcome = rng_outcome(args.rng, sx.ckpt.read_index(resume_from), info.world_size)
+        say(f"resumed from {resume_from} at step {start}; {outcome}")
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
 
-    tp = run.parallel.tp  # tensor parallelism: the head's logits are this rank's vocabulary piece
-    sp = run.parallel.sp  # Ulysses: the logits are this rank's piece of the sequence
+    tp, sp = run.parallel.tp, run.parallel.sp  # tensor / Ulysses sequence parallelism axes
 
     def loss_fn(params: dict, batch: dict, scale: float) -> torch.Tensor:
-        logits = sx.apply(model, params, batch["x"])
-        if tp is not None:
-            return (
-                sx.vocab_parallel_cross_entropy(logits.float(), batch["y"], tp, mesh=mesh) * scale
-            )
-        return cross_entropy(logits, sequence_piece(batch["y"], sp, mesh)) * scale
+        # whole logits on every rank, under tp and sp too: a plain loss
+        return cross_entropy(sx.apply(model, params, batch["x"]), batch["y"]) * scale
 
     def logits_of(params: dict, x: torch.Tensor, rules: sx.Rules | None = None) -> torch.Tensor:
-        """The whole vocabulary's logits (gathered over tp)."""
-        logits = sx.apply(model, params, x, rules=rules)
-        return logits if tp is None else sx.collectives.all_gather(logits, tp, -1, mesh=mesh)
+        """The whole vocabulary's logits for the whole sequence."""
+        return sx.apply(model, params, x, rules=rules)
 
     grad_fn = sx.value_and_grad(loss_fn, bucket_bytes=run.parallel.bucket_bytes)
     if pipe is not None:
@@ -861,6 +957,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for step in range(start + 1, steps + 1):
         began = time.perf_counter()
+        phases.enter("step")
         with monitor.step(step):
             for micro in itertools.islice(micro_steps, accumulation):
                 scale = loss_scale.scale if loss_scale is not None else 1.0
@@ -878,6 +975,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     with monitor.timer("optimizer"):
                         # update + apply in place, in one native pass where the optimizer has one
                         params, opt_state = sx.optim.fused_step(opt).step(params, grads, opt_state)
+                grads = None  # freed now, not while the next micro-step makes its own
             monitor.log(loss=loss, lr=schedule(step - 1))
             if loss_scale is not None:
                 monitor.log(loss_scale=loss_scale.scale)
@@ -887,8 +985,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "tokens_per_s": tokens_per_s})  # fmt: skip
             if bar is not None:
                 advance(bar, record[-1]["loss"], tokens_per_step)
+        phases.enter("save")
         state = {"params": params, "opt_state": opt_state, "step": step}
-        manager.save(step, state, metadata=meta, force=step == steps)
+        saver = manager if step < steps else last_save
+        saver.save(step, state, metadata=meta, force=step == steps)
         if metrics is not None:
             metrics.write(json.dumps({"step": step, "loss": float(loss), "lr": schedule(step - 1)}))
             metrics.write("\n")
@@ -900,6 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if metrics is not None:
         metrics.close()
 
+    phases.enter("eval")
     val_sampler = sx.data.Sampler(len(val), micro_global, mesh, P(data_axes), shuffle=False)
     val_batches = list(sx.data.batches(val, val_sampler, num_steps=args.eval_batches))
     if not val_batches:
@@ -909,14 +1010,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
 
         def val_loss_of(params: dict, b: dict) -> torch.Tensor:
-            return cross_entropy(logits_of(params, b["x"]), sequence_piece(b["y"], sp, mesh))
+            return cross_entropy(logits_of(params, b["x"]), b["y"])
 
-        axes = [*data_axes] + ([] if sp is None else [sp])  # sp: each a piece of the sequence
-        val_loss = evaluate(val_loss_of, params, val_batches, mesh, axes)
+        val_loss = evaluate(val_loss_of, params, val_batches, mesh, list(data_axes))
     say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
     if record and val_batches:
         record[-1]["val_loss"] = val_loss
 
+    phases.enter("save")
     manager.wait()
     if manager.latest() is not None:
         say(f"saved {manager.path(manager.latest())}")
@@ -926,6 +1027,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sample_tokens > 0 and pipe is not None:
         say("sample: not drawn under a pipeline (--pp): each rank holds only its stages")
     elif args.sample_tokens > 0:
+        phases.enter("sample")
         prompt = sx.data.TextDataset.encode(args.prompt)[None]
         # Prompts grow one token at a time: sequence parallelism, which splits the
         # sequence (over tp, or Ulysses over sp), gives way to plain tensor
@@ -943,6 +1045,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             context=cfg.seq_len,
         )
         say("sample:", sx.data.TextDataset.decode(out[0]))
+    if (peaks := phases.line(mesh)) is not None:
+        say(peaks)
     sx.shutdown()
     return 0
 

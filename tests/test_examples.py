@@ -102,6 +102,19 @@ def test_train_gpt_on_two_ranks_with_zero3(tmp_path):
     index = sx.ckpt.read_index(final)
     assert index.world_size == 2 and index.metadata["step"] == 4
     assert index.leaves["params.wte.weight"].spec == sx.P("dp")  # ZeRO-3: stored sharded
+    peaks, _ = _phase_peaks(done.stdout)  # last: each phase's peak memory
+    assert list(peaks) == ["init", "step", "save", "eval", "sample"]
+
+
+def _phase_peaks(stdout: str) -> tuple[dict[str, float], str]:
+    """The example's last line: each phase's peak RSS per rank (MiB, the
+    most of any rank), and the phase of the highest."""
+    found = re.search(
+        r"peak RSS per rank \(MiB, the most of any rank\): (.+); peak in (\w+)", stdout
+    )
+    assert found, stdout
+    pairs = (part.split() for part in found.group(1).split(", "))
+    return {phase: float(mib) for phase, mib in pairs}, found.group(2)
 
 
 def _train(out, metrics, *extra, nproc=2):
@@ -131,7 +144,10 @@ def test_train_gpt_resumes_bit_identically(tmp_path, dp_run):
     (tmp_path / "b").mkdir()
     shutil.copytree(a / "step-00000003", tmp_path / "b" / "step-00000003")
     stdout, resumed = _train(tmp_path / "b", tmp_path / "b.jsonl", "--resume")
-    assert f"resumed from {tmp_path / 'b' / 'step-00000003'}" in stdout
+    assert (
+        f"resumed from {tmp_path / 'b' / 'step-00000003'} at step 3; rng: restored as saved"
+        in stdout
+    )
     assert resumed == whole[3:]  # losses and lrs, exactly
     final_a = sx.ckpt.load(a / "step-00000006")  # params, moments, step
     final_b = sx.ckpt.load(tmp_path / "b" / "step-00000006")
@@ -267,28 +283,80 @@ def test_train_gpt_with_ulysses_alone_and_under_a_pipeline(tmp_path):
         assert abs(runs[name][1] - runs["one"][1]) <= 1e-3, name  # printed to 4 decimals
 
 
-@pytest.mark.slow  # the mechanism: tests/ckpt/test_resume_any_mesh.py (default run)
-def test_train_gpt_resumes_on_another_number_of_ranks(tmp_path, dp_run):
-    """A 2-rank checkpoint resumes on 1 rank: without an RNG policy the run
-    stops with one line naming the flags; with ``--rng reseed`` the loss
-    curve continues the uninterrupted run's (the data order does not depend
-    on the ranks; the sums differ only in order)."""
+def test_train_gpt_resumes_on_another_number_of_ranks_as_it_is(tmp_path, dp_run):
+    """A 2-rank checkpoint resumes on 1 and on 3 ranks with no flag: each
+    rank reads its new shards, and the RNG states, which cannot be split or
+    merged, are reseeded from the checkpoint and the rank — the resume line
+    says so. On 1 rank the loss curve continues the uninterrupted run's (the
+    data order does not depend on the ranks; the sums differ only in
+    order); on 3, with a global batch they divide, the run goes on."""
     a, whole = dp_run
     step3 = a / "step-00000003"
+    reseeded = f"resumed from {step3} at step 3; rng: reseeded from the checkpoint and the rank"
+    stdout, resumed = _train(
+        tmp_path / "one", tmp_path / "one.jsonl", "--resume", str(step3), nproc=1
+    )
+    assert f"{reseeded} (saved on 2 ranks, resumed on 1)" in stdout
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    for got, want in zip(resumed, whole[3:], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+    stdout, three = _train(
+        tmp_path / "three", tmp_path / "three.jsonl", "--resume", str(step3), "--batch-size", "12",
+        nproc=3,
+    )  # fmt: skip
+    assert f"{reseeded} (saved on 2 ranks, resumed on 3)" in stdout
+    assert [m["step"] for m in three] == [4, 5, 6] and all(math.isfinite(m["loss"]) for m in three)
+
+
+@pytest.mark.slow  # the mechanism: tests/ckpt/test_resume_any_mesh.py (default run)
+def test_train_gpt_refuses_another_number_of_ranks_with_rng_restore(tmp_path, dp_run):
+    """``--rng restore`` insists on the saved RNG states: on another number
+    of ranks the run stops with one line naming the other policies."""
+    step3 = dp_run[0] / "step-00000003"
     refused = launch(
         "--nproc-per-node", "1", "examples/train_gpt.py", "--preset", "tiny", "--steps", "6",
-        "--out", str(tmp_path / "b"), "--resume", str(step3),
+        "--out", str(tmp_path / "b"), "--resume", str(step3), "--rng", "restore",
     )  # fmt: skip
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "holds the RNG states of 2 rank(s) and this job has 1" in refused.stderr
     assert "--rng reseed or --rng skip" in refused.stderr and "Traceback" not in refused.stderr
-    stdout, resumed = _train(
-        tmp_path / "b", tmp_path / "b.jsonl", "--resume", str(step3), "--rng", "reseed", nproc=1
-    )
-    assert f"resumed from {step3} at step 3 (rng: reseed)" in stdout
-    assert [m["step"] for m in resumed] == [4, 5, 6]
-    for got, want in zip(resumed, whole[3:], strict=True):
-        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+
+
+WIDE = ["--preset", "wide", "--batch-size", "4", "--eval-batches", "1", "--sample-tokens", "2"]
+
+
+@pytest.mark.slow  # the wide GPT (134M parameters) on 2 ranks, three runs: a few minutes
+def test_train_gpt_peaks_in_the_step_and_offload_takes_adams_share_off_it(tmp_path, train_gpt):
+    """``--preset wide`` on 2 ranks (benchmarks/memory.py's model and batch):
+    init, the checkpoint saves, the evaluation and the sample each peak
+    below the training step, so the run's peak is the step's working set;
+    with Adam's moments on disk (``--offload-opt disk:PATH``) it falls by at
+    least 0.95 of their share, as in the benchmark. Resumed, the rank never
+    holds its state twice: the resume peaks below the step, and the steps
+    after it as high as before."""
+    params = train_gpt.param_count(train_gpt.PRESETS["wide"])
+    share = params * 8 / 2 / 2**20  # Adam: two fp32 moments a parameter, over 2 ranks
+    runs = {}
+    modes = {"memory": [], "offload": ["--offload-opt", f"disk:{tmp_path / 'state'}"]}
+    for name, flags in modes.items():
+        done = launch(
+            "--nproc-per-node", "2", "examples/train_gpt.py", *WIDE, "--steps", "2",
+            "--out", str(tmp_path / name), *flags,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[name], top = _phase_peaks(done.stdout)
+        assert top == "step", (name, runs[name])
+    assert max(runs["memory"].values()) - max(runs["offload"].values()) >= 0.95 * share, runs
+    done = launch(
+        "--nproc-per-node", "2", "examples/train_gpt.py", *WIDE, "--steps", "3",
+        "--out", str(tmp_path / "memory"), "--resume",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed, top = _phase_peaks(done.stdout)
+    assert top == "step" and resumed["resume"] < resumed["step"], resumed
+    # a second copy of the state (params and moments: 1.5 shares) would show; a few MiB
+    # of allocator noise between runs must not
+    assert resumed["step"] - runs["memory"]["step"] < share / 4, (resumed, runs["memory"])
 
 
 def test_check_cost_benchmark_smoke(tmp_path):

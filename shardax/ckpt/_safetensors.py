@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from ..errors import CheckpointError
+from ..shard._memory import release_all
 from ._format import _BY_CODE, _DTYPES, _MAX_HEADER, CHUNK, Box, _ints, dtype_name, safe_name
 
 __all__ = [
@@ -163,10 +164,13 @@ def write_safetensors(
     path: str | os.PathLike[str], tensors: Sequence[tuple[str, torch.Tensor]]
 ) -> dict[str, tuple[int, ...]]:
     """Write ``tensors`` as one safetensors file, streaming each straight
-    from its memory; return each tensor's chunk checksums."""
+    from its memory; return each tensor's chunk checksums. A disk tensor
+    (``rules.offload``) is handed back to its file once written: the file
+    is written with one such tensor's pages in the process at a time."""
     w = ShardWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors])
     for n, t in tensors:
         w.write(n, t)
+        release_all([t])
     return w.close()
 
 

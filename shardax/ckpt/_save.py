@@ -36,7 +36,7 @@ from ..errors import CheckpointError
 from ..mesh._mesh import Mesh
 from ..mesh._runtime import _timeout_seconds
 from ..shard._layout import Layout
-from ..shard._memory import allocate, is_disk, kind_of, release, release_all
+from ..shard._memory import allocate, as_piece_of, is_disk, kind_of, release, release_all
 from ..shard._sharded import Sharded
 from ..shard._spec import P
 from ._format import (
@@ -213,6 +213,7 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             stored.append(Box(offsets, sizes, _file(owner, world), name))
             if owner == rank or (spec is None and rank):  # plain: rank 0's, unless it lacks it
                 t = (views[offsets] if views else local).detach().contiguous()
+                t = as_piece_of(t, local)  # on disk: written, its pages go back to the file
                 if copy:  # a snapshot where the value lives: on disk for disk state
                     t = _snapshot(t, local)
                 (items if owner == rank else spare).append((name, t))
@@ -240,6 +241,7 @@ def _snapshot(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     out = allocate(t.shape, t.dtype, kind_of(local))
     out.copy_(t)
     release(out)
+    release(t)  # the pages the copy read: back to the file, one piece at a time
     return out
 
 

@@ -34,8 +34,8 @@ import torch
 from ..errors import ShardingError
 
 __all__ = [
-    "KINDS", "Offload", "allocate", "check_kind", "is_disk", "kind_of", "offloaded", "placed",
-    "prefetch", "prefetch_all", "release", "release_all", "restored",
+    "KINDS", "Offload", "allocate", "as_piece_of", "check_kind", "is_disk", "kind_of",
+    "offloaded", "placed", "prefetch", "prefetch_all", "release", "release_all", "restored",
 ]  # fmt: skip
 
 KINDS = ("device", "host", "disk")
@@ -302,6 +302,18 @@ def detached(t: torch.Tensor) -> torch.Tensor:
         out._shardax_map = t._shardax_map  # type: ignore[attr-defined]
         out._shardax_kind = t._shardax_kind  # type: ignore[attr-defined]
     return out
+
+
+def as_piece_of(t: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
+    """``t``, a tensor on ``home``'s storage (a detached view of a piece of
+    it), marked as a disk tensor where ``home`` is one, so that
+    :func:`release` hands back the pages of that piece alone; ``t`` as it
+    is otherwise (a copy elsewhere, or ``home`` in memory)."""
+    same = t.untyped_storage().data_ptr() == home.untyped_storage().data_ptr()
+    if is_disk(home) and same:
+        t._shardax_map = home._shardax_map  # type: ignore[attr-defined]
+        t._shardax_kind = home._shardax_kind  # type: ignore[attr-defined]
+    return t
 
 
 def _advise(t: torch.Tensor, start: int, count: int, advice: int) -> None:
