@@ -106,14 +106,16 @@ class CheckpointManager:
         wait_pending()
 
     def restore(
-        self, target: Any, *, step: int | None = None, rng: bool | str = True, **kwargs: Any
+        self, target: Any, *, step: int | None = None, rng: bool | str = "reseed", **kwargs: Any
     ) -> tuple[int, Any] | None:
         """``(step, tree)`` loaded from the latest complete checkpoint (or
-        ``step``'s) into ``target``; None when there is none. ``rng``: each
-        rank's RNG states restored exactly (True, ``"restore"``: the same
-        world size), ``"reseed"`` (restored where the world size matches,
-        else seeded from the checkpoint and the rank) or ``"skip"`` (False);
-        see :func:`~shardax.ckpt.load`. ``kwargs`` go to ``load``."""
+        ``step``'s) into ``target``; None when there is none. ``rng``:
+        ``"reseed"`` (the default: each rank's RNG states restored where the
+        world size matches the saving run's, else seeded from the
+        checkpoint and the rank, so a resume works on any number of ranks),
+        ``"restore"`` (True: restored exactly, or an error on another world
+        size) or ``"skip"`` (False); see :func:`~shardax.ckpt.load`.
+        ``kwargs`` go to ``load``."""
         wait_pending()
         step = self.latest() if step is None else step
         if step is None:

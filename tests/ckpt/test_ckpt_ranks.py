@@ -297,3 +297,10 @@ def test_rng_policy_on_another_world_size(tmp_path):
     assert torch.equal(torch.rand(3), unseeded)
     with pytest.raises(sx.CheckpointError, match=r"rng='sometimes' is not a policy; use 'restore'"):
         sx.ckpt.load(path, {"x": None}, rng="sometimes")
+    # A manager resumes on any number of ranks by default: reseeded here.
+    manager = sx.ckpt.CheckpointManager(tmp_path)
+    (tmp_path / "c").rename(manager.path(7))
+    torch.manual_seed(0)
+    step, out = manager.restore({"x": None})
+    assert step == 7 and torch.equal(out["x"], torch.arange(4.0))
+    assert torch.equal(torch.rand(3), draws[0])
