@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ._deepspeed import _convert
-from ._hjson import _DuplicateKey, _line_of, _no_duplicates, _overflow, _plain
+from ._hjson import _line_of, _plain, parse
 
 
 def read_deepspeed(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -25,8 +25,6 @@ def read_deepspeed(path: str | Path) -> tuple[dict[str, Any], str]:
     ...
     shardax.errors.ConfigError: .../ds_config.json:3:27: not JSON or hjson (DeepSpeed reads its config as hjson): Found ']' where a key name was expected ...
     """
-    import hjson
-
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -36,21 +34,12 @@ def read_deepspeed(path: str | Path) -> tuple[dict[str, Any], str]:
         raise ConfigError(
             f"cannot read DeepSpeed config {source!r}: {err.strerror or err}"
         ) from None
-    try:
-        data = hjson.loads(text, object_pairs_hook=_no_duplicates)
-    except hjson.HjsonDecodeError as err:
-        raise ConfigError(
-            f"{source}:{err.lineno}:{err.colno}: not JSON or hjson (DeepSpeed reads its config "
-            f"as hjson): {err.msg}"
-        ) from None
-    except (OverflowError, ValueError):  # hjson's own reader fails on 1e400
-        raise ConfigError(f"{source}:{_overflow(text)}") from None
-    except _DuplicateKey as dup:
-        line = _line_of(text, (dup.key,), occurrence=2)
-        raise ConfigError(
-            f"{source}:{line}: duplicate key {dup.key!r}: DeepSpeed refuses a key written twice; "
-            "keep one"
-        ) from None
+    data = parse(
+        text,
+        source,
+        unreadable="not JSON or hjson (DeepSpeed reads its config as hjson)",
+        twice="DeepSpeed refuses a key written twice; keep one",
+    )
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"{source}: not a DeepSpeed config: its top level is {type(data).__name__} "

@@ -38,6 +38,32 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def parse(text: str, source: str, *, unreadable: str, twice: str) -> Any:
+    """``text`` read as hjson (JSON is hjson), keys written twice refused:
+    a :class:`ConfigError` naming ``source``, the line (and column) and
+    what failed — ``unreadable`` says what the text is not, ``twice`` why a
+    key written twice is refused.
+
+    >>> parse('{"a": 1}', "x.json", unreadable="not hjson", twice="keep one")
+    {'a': 1}
+    >>> parse('{"a": 1, "a": 2}', "x.json", unreadable="not hjson", twice="keep one")
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ConfigError: x.json:1: duplicate key 'a': keep one
+    """
+    import hjson
+
+    try:
+        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except hjson.HjsonDecodeError as err:
+        raise ConfigError(f"{source}:{err.lineno}:{err.colno}: {unreadable}: {err.msg}") from None
+    except (OverflowError, ValueError):  # hjson's own reader fails on 1e400
+        raise ConfigError(f"{source}:{_overflow(text)}") from None
+    except _DuplicateKey as dup:
+        line = _line_of(text, (dup.key,), occurrence=2)
+        raise ConfigError(f"{source}:{line}: duplicate key {dup.key!r}: {twice}") from None
+
+
 def _overflow(text: str) -> str:
     """``LINE: message`` for the first number in ``text`` that is no finite float."""
     import re

@@ -14,14 +14,12 @@ import attrs
 from ..errors import ConfigError
 from ._fields import _as_int, _positive
 from ._hjson import (
-    _DuplicateKey,
     _first_key,
     _keyed,
     _line_of,
-    _no_duplicates,
-    _overflow,
     _plain,
     _unknown,
+    parse,
 )
 from ._sections import (
     _RENAMES,
@@ -140,20 +138,12 @@ class RunConfig:
     @classmethod
     def from_text(cls, text: str, source: str = "config") -> RunConfig:
         """Parse hjson (or JSON) text."""
-        import hjson
-
-        try:
-            data = hjson.loads(text, object_pairs_hook=_no_duplicates)
-        except hjson.HjsonDecodeError as err:
-            raise ConfigError(f"{source}: not valid hjson: {err}") from None
-        except (OverflowError, ValueError):  # hjson's own reader fails on 1e400
-            raise ConfigError(f"{source}:{_overflow(text)}") from None
-        except _DuplicateKey as dup:
-            line = _line_of(text, (dup.key,), occurrence=2)
-            raise ConfigError(
-                f"{source}:{line}: duplicate key {dup.key!r}: the later value would silently "
-                "replace the earlier one; keep one"
-            ) from None
+        data = parse(
+            text,
+            source,
+            unreadable="not valid hjson",
+            twice="the later value would silently replace the earlier one; keep one",
+        )
         try:
             return cls.from_dict(_plain(data), source)
         except ConfigError as err:
