@@ -413,6 +413,7 @@ CLI = {
         "--nproc_per_node",
         "--num-nodes",
         "--stop-on-stdin-eof",
+        "--timeout",
         "-m",
     ],
 }

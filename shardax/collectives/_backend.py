@@ -24,6 +24,7 @@ from ..errors import CollectiveError
 from ..mesh._groups import Group, PGState, set_group_setup
 from ._agree import Call, checks_enabled, describe, moving_now, signature
 from ._failures import translate_error
+from ._lent import LOANS
 from ._traffic import counting, timed
 
 __all__ = [
@@ -33,21 +34,48 @@ __all__ = [
 
 
 class Pending:
-    """Backend work in flight: objects with ``wait()``, then an optional fix-up."""
+    """Backend work in flight: objects with ``wait()``, then an optional
+    fix-up. ``lent``: aliases of its buffers that the transport's own
+    threads hold and may be the last to drop (gloo's workers), anchored
+    meanwhile (:mod:`._lent`)."""
 
-    __slots__ = ("after", "works")
+    __slots__ = ("after", "lent", "works")
 
-    def __init__(self, works: Sequence[Any] = (), after: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        works: Sequence[Any] = (),
+        after: Callable[[], None] | None = None,
+        lent: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.works = list(works)
         self.after = after
+        self.lent = tuple(lent)
+        if self.lent:
+            LOANS.hold(self.lent)
 
     def wait(self) -> None:
         """Finish it: every work, then the fix-up (errors raised as they come;
         :class:`Handle` translates them)."""
-        for work in self.works:
-            work.wait()
+        try:
+            for work in self.works:
+                work.wait()
+        finally:
+            self.settle()
         if self.after is not None:
             self.after()
+
+    def settle(self) -> None:
+        """Once every work is finished (done or failed), drop them and what
+        they were lent, and the anchors the transport no longer needs."""
+        if self.lent and all(_finished(work) for work in self.works):
+            self.works = []
+            self.lent = ()
+            LOANS.prune()
+
+
+def _finished(work: Any) -> bool:
+    is_completed = getattr(work, "is_completed", None)
+    return True if is_completed is None else bool(is_completed())
 
 
 class Backend(Protocol):
@@ -171,14 +199,17 @@ class Handle:
     def wait(self) -> Any:
         if not self._done:
             if self._pending is not None:
-                for work in self._pending.works:
-                    try:
-                        work.wait()
-                    except CollectiveError:
-                        raise
-                    except Exception as err:
-                        assert self._group is not None
-                        raise translate_error(self._group, self._op, self._seq, err) from err
+                try:
+                    for work in self._pending.works:
+                        try:
+                            work.wait()
+                        except CollectiveError:
+                            raise
+                        except Exception as err:
+                            assert self._group is not None
+                            raise translate_error(self._group, self._op, self._seq, err) from err
+                finally:
+                    self._pending.settle()
                 if self._pending.after is not None:
                     self._pending.after()
             self._result = self._finish()

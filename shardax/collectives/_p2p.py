@@ -19,7 +19,7 @@ from ..errors import CollectiveError, CollectiveTimeoutError
 from ..mesh._groups import Group
 from ..mesh._mesh import Mesh
 from ._api import Axis, _group
-from ._backend import Handle, Pending, comm_of
+from ._backend import Handle, comm_of
 from ._failures import _is_timeout
 from ._traffic import counting, timed
 
@@ -33,6 +33,10 @@ class _Work:
 
     def __init__(self, work: Any, what: str) -> None:
         self.work, self.what = work, what
+
+    def is_completed(self) -> bool:
+        done = getattr(self.work, "is_completed", None)
+        return True if done is None else bool(done())
 
     def wait(self) -> None:
         try:
@@ -76,8 +80,8 @@ def _p2p(
         raise
     except Exception as err:
         raise CollectiveError(f"{label} failed: {err}") from err
-    works = Pending([_Work(w, label) for w in pending.works], pending.after)
-    return Handle(group, what, comm.seq, works, timed(lambda: x, group, what))
+    pending.works = [_Work(w, label) for w in pending.works]  # its loans stay as they are
+    return Handle(group, what, comm.seq, pending, timed(lambda: x, group, what))
 
 
 def send(

@@ -59,9 +59,10 @@ CUDA_*, TORCH_*, GLOO_*, OMP_*, … travel too.
 
 \b
 If a rank fails, the others get SIGTERM (their whole process groups), then
-SIGKILL after --kill-grace seconds; the failed rank's traceback is printed
-and its exit code returned (128+N if killed by signal N). Ctrl-C / SIGTERM
-stop all ranks the same way and exit 130 / 143. See docs/launch.md.
+SIGKILL after --kill-grace seconds; the failed rank's traceback (or its
+last lines) is printed and its exit code returned (128+N if killed by signal
+N). Ctrl-C / SIGTERM stop all ranks the same way and exit 130 / 143; a job
+past --timeout is stopped the same way and exits 124. See docs/launch.md.
 """
 
 
@@ -206,6 +207,15 @@ def parse_log_ranks(text: str) -> tuple[int, ...] | None:
     help="When a rank fails, stop all and start the job again, up to N times (the script "
     "resumes from its latest checkpoint; ranks see SHARDAX_RESTART_COUNT).",
 )
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="Limit the whole job (restarts included) to SECONDS of wall-clock time: then every "
+    "rank still running is stopped (SIGTERM, SIGKILL after --kill-grace), the ranks and their "
+    "last lines are shown, and the launcher exits 124.  [default: no limit]",
+)
 @click.option("--stop-on-stdin-eof", is_flag=True, hidden=True)
 @click.option("-m", "--module", is_flag=True, help="Run SCRIPT as a module, like 'python -m'.")
 @click.option(
@@ -234,6 +244,7 @@ def launch_command(
     env_items: tuple[str, ...],
     dry_run: bool,
     max_restarts: int,
+    timeout: float | None,
     stop_on_stdin_eof: bool,
     module: bool,
     no_python: bool,
@@ -297,6 +308,7 @@ def launch_command(
                 dry_run=dry_run,
                 max_restarts=max_restarts,
                 stop_on_stdin_eof=stop_on_stdin_eof,
+                timeout=timeout,
             )
         else:
             if node_rank is not None or slots is not None:
@@ -318,6 +330,7 @@ def launch_command(
                 env=propagated_env(os.environ, extra, env_items),
                 log_ranks=log_ranks,
                 kill_grace=kill_grace,
+                timeout=timeout,
             )
             commands = node_commands(
                 launcher, job, hosts, mpi=_mpi() if launcher == "mpirun" else "openmpi"
@@ -326,7 +339,9 @@ def launch_command(
                 for line in describe(commands):
                     click.echo(line)
                 ctx.exit(0)
-            code = run_nodes(commands, kill_grace=kill_grace, max_restarts=max_restarts)
+            code = run_nodes(
+                commands, kill_grace=kill_grace, max_restarts=max_restarts, timeout=timeout
+            )
     except LaunchError as e:
         raise BadSetting(str(e)) from None
     ctx.exit(code)
@@ -426,6 +441,7 @@ def _run_this_node(
     dry_run: bool,
     max_restarts: int,
     stop_on_stdin_eof: bool,
+    timeout: float | None = None,
 ) -> int:
     """``--launcher none``: this node's ranks, its place in the job given or
     read from Slurm / MPI."""
@@ -485,4 +501,5 @@ def _run_this_node(
         devices=devices,
         max_restarts=max_restarts,
         stop_on_stdin_eof=stop_on_stdin_eof,
+        timeout=timeout,
     )

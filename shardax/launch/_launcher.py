@@ -8,6 +8,8 @@ ranks started. Stopping a rank signals its whole process
 group (the rank and every child it started): SIGTERM, then SIGKILL after a
 grace period. Ranks are reaped only once their group has been stopped, so a
 rank's pid (its process group id) cannot be reused while we still signal it.
+With a ``timeout``, the job's time is limited as a whole: when it passes,
+the ranks still running are stopped the same way.
 
 >>> import sys
 >>> launch([sys.executable, "-c", "import os; print(os.environ['WORLD_SIZE'])"],
@@ -32,7 +34,14 @@ import attrs
 
 from ..errors import LaunchError
 from ._spec import DEFAULT_MASTER_ADDR, LaunchSpec, free_port, rank_env, validate_ranks
-from ._stream import RankOutput, Sink, describe_returncode, exit_code, format_failure
+from ._stream import (
+    RankOutput,
+    Sink,
+    describe_returncode,
+    exit_code,
+    format_failure,
+    format_timeout,
+)
 
 __all__ = ["launch"]
 
@@ -40,6 +49,7 @@ POLL_S = 0.05  # how often the supervisor looks at the ranks
 REAP_TIMEOUT_S = 5.0  # how long to wait for a SIGKILLed rank to be reapable
 DRAIN_TIMEOUT_S = 2.0  # how long to wait for the last output of stopped ranks
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+TIMEOUT_EXIT_CODE = 124  # the job ran past its --timeout (as coreutils' timeout exits)
 _SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL
 _STOP_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
@@ -49,10 +59,41 @@ _STOP_SIGNALS = tuple(
 @attrs.frozen
 class _Outcome:
     """How supervision ended: the failed ranks (first failure first), or the
-    signal that stopped the launcher, or neither (all ranks exited 0)."""
+    signal that stopped the launcher, or the ranks still running when the
+    job's time ran out, or none of these (all ranks exited 0)."""
 
     failures: tuple[tuple[int, int], ...] = ()  # (rank, returncode)
     signum: int | None = None
+    timed_out: tuple[int, ...] = ()  # the ranks (or processes) still running
+
+
+@attrs.frozen
+class Deadline:
+    """The job's overall time limit (``--timeout``): ``seconds`` from the
+    monotonic time ``start``."""
+
+    seconds: float
+    start: float = attrs.field(factory=time.monotonic)
+
+    @classmethod
+    def of(cls, timeout: float | None) -> Deadline | None:
+        """The deadline ``timeout`` seconds from now (None: no limit).
+
+        >>> Deadline.of(None) is None, Deadline.of(5).seconds
+        (True, 5.0)
+        """
+        if timeout is None:
+            return None
+        bad = isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        if bad or not timeout > 0:
+            raise LaunchError(
+                f"timeout must be a number of seconds > 0 (or None: no limit), got {timeout!r}"
+            )
+        return cls(float(timeout))
+
+    def passed(self) -> bool:
+        """Whether the limit is reached."""
+        return time.monotonic() - self.start >= self.seconds
 
 
 def launch(
@@ -69,6 +110,7 @@ def launch(
     devices: Sequence[int] | None = None,
     max_restarts: int = 0,
     stop_on_stdin_eof: bool = False,
+    timeout: float | None = None,
 ) -> int:
     """Run ``cmd`` as ``nproc_per_node`` local ranks and supervise them.
 
@@ -108,11 +150,16 @@ def launch(
         stop_on_stdin_eof: Stop every rank (as on SIGHUP) when this
             process's stdin reaches end of file: a node launcher started
             over ssh by a driver that holds its stdin open dies with it.
+        timeout: The job's overall limit in seconds, restarts included
+            (``None``: none). When it passes, every rank still running is
+            stopped like a failure's (SIGTERM, SIGKILL after
+            ``kill_grace``), a summary names them with their last lines,
+            and 124 is returned.
 
     Returns:
         0 if every rank exited 0; else the first failed rank's exit code
-        (128 + N if it was killed by signal N), or 128 + the signal that
-        stopped the launcher.
+        (128 + N if it was killed by signal N), 128 + the signal that
+        stopped the launcher, or 124 if the job ran past ``timeout``.
 
     Raises:
         LaunchError: Bad arguments, or a rank could not be started.
@@ -137,6 +184,7 @@ def launch(
         )
     if isinstance(kill_grace, bool) or not isinstance(kill_grace, (int, float)) or kill_grace < 0:
         raise LaunchError(f"kill_grace must be a number of seconds >= 0, got {kill_grace!r}")
+    deadline = Deadline.of(timeout)
     base_env = dict(os.environ if env is None else env)
     restart = 0
     while True:
@@ -156,7 +204,9 @@ def launch(
         run_env = {**base_env, "SHARDAX_RESTART_COUNT": str(restart)}
         if _on_terminal():  # the ranks' pipes end on one: they may draw progress bars
             run_env.setdefault("SHARDAX_TTY", "1")
-        outcome, code, sink = _run_once(spec, shown, float(kill_grace), run_env, stop_on_stdin_eof)
+        outcome, code, sink = _run_once(
+            spec, shown, float(kill_grace), run_env, stop_on_stdin_eof, deadline
+        )
         if not outcome.failures or restart >= max_restarts:
             return code
         restart += 1
@@ -178,6 +228,7 @@ def _run_once(
     kill_grace: float,
     base_env: Mapping[str, str],
     stop_on_stdin_eof: bool = False,
+    deadline: Deadline | None = None,
 ) -> tuple[_Outcome, int, Sink]:
     """Start this node's ranks once and supervise them to the end."""
     shown = frozenset(shown)
@@ -196,22 +247,35 @@ def _run_once(
         if stop_on_stdin_eof:
             _watch_stdin(received, sink)
         try:
-            outcome = _supervise(procs, spec.ranks, received, kill_grace, sink)
+            outcome = _supervise(procs, spec.ranks, received, kill_grace, sink, deadline=deadline)
         except BaseException:  # a bug or an unexpected exception: still leave nothing behind
             _stop(procs, 0.0, received)
             raise
         finally:
             _dismiss_guard(guard)
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    drained_by = time.monotonic() + DRAIN_TIMEOUT_S
     for output in outputs:
-        output.join(max(0.0, deadline - time.monotonic()))
+        output.join(max(0.0, drained_by - time.monotonic()))
     if outcome.signum is not None:
         return outcome, 128 + outcome.signum, sink
+    returncodes = {r: proc.returncode for r, proc in zip(spec.ranks, procs, strict=True)}
+    if outcome.timed_out and deadline is not None:
+        tails = {r: outputs[spec.ranks.index(r)].output_tail() for r in outcome.timed_out}
+        sink.message(
+            format_timeout(deadline.seconds, outcome.timed_out, returncodes, tails, spec.cmd)
+        )
+        return outcome, TIMEOUT_EXIT_CODE, sink
     if outcome.failures:
-        rank = outcome.failures[0][0]
-        returncodes = {r: proc.returncode for r, proc in zip(spec.ranks, procs, strict=True)}
-        tail = outputs[spec.ranks.index(rank)].stderr_tail()
-        sink.message(format_failure(outcome.failures, returncodes, tail, spec.cmd))
+        output = outputs[spec.ranks.index(outcome.failures[0][0])]
+        sink.message(
+            format_failure(
+                outcome.failures,
+                returncodes,
+                output.stderr_tail(),
+                spec.cmd,
+                output.output_tail(),
+            )
+        )
         return outcome, exit_code(outcome.failures[0][1]), sink
     return outcome, 0, sink
 
@@ -444,11 +508,12 @@ def _supervise(
     grace: float,
     sink: Sink,
     names: Sequence[str] | None = None,
+    deadline: Deadline | None = None,
 ) -> _Outcome:
-    """Wait until every rank exited 0, a rank failed, or a stop signal came;
-    stop what is left; reap every rank. ``names`` (default ``rank k``) name
-    the processes in messages: the driver of several nodes supervises one
-    process per node the same way."""
+    """Wait until every rank exited 0, a rank failed, a stop signal came, or
+    the ``deadline`` passed; stop what is left; reap every rank. ``names``
+    (default ``rank k``) name the processes in messages: the driver of
+    several nodes supervises one process per node the same way."""
     label = dict(zip(ranks, names, strict=True)) if names else {r: f"rank {r}" for r in ranks}
     kind = "process(es)" if names else "rank(s)"
     exited: dict[int, int] = {}
@@ -477,6 +542,14 @@ def _supervise(
             )
             _stop(procs, grace, received)
             return _Outcome(failures=tuple(failures))
+        if deadline is not None and len(exited) < len(procs) and deadline.passed():
+            running = [rank for rank in ranks if rank not in exited]
+            sink.message(
+                f"shardax launch: the job ran past --timeout {deadline.seconds:g} s; stopping "
+                f"{', '.join(label[r] for r in running)} (SIGTERM, SIGKILL after {grace:g} s)"
+            )
+            _stop(procs, grace, received)
+            return _Outcome(timed_out=tuple(running))
         if len(exited) == len(procs):
             live = _live_groups({proc.pid for proc in procs})
             if live:  # a rank exited 0 but left children in its group

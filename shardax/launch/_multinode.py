@@ -29,9 +29,17 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from ..errors import LaunchError
-from ._launcher import DRAIN_TIMEOUT_S, _record_signals, _spawn_all, _stop, _supervise
+from ._launcher import (
+    DRAIN_TIMEOUT_S,
+    TIMEOUT_EXIT_CODE,
+    Deadline,
+    _record_signals,
+    _spawn_all,
+    _stop,
+    _supervise,
+)
 from ._nodes import Host
-from ._stream import RankOutput, Sink, describe_returncode, exit_code
+from ._stream import RankOutput, Sink, describe_returncode, exit_code, last_lines
 
 __all__ = ["LAUNCHERS", "NodeCommand", "NodeJob", "describe", "node_commands", "run_nodes"]
 
@@ -50,7 +58,7 @@ class NodeJob:
         cwd: the directory the ranks run in, on every node.
         python: the interpreter, the same path on every node.
         env: variables every rank gets (``.shardax_env``, prefixes, ``--env``).
-        log_ranks, kill_grace: passed on to each node's launcher.
+        log_ranks, kill_grace, timeout: passed on to each node's launcher.
     """
 
     target: tuple[str, ...] = attrs.field(converter=tuple)
@@ -62,6 +70,7 @@ class NodeJob:
     env: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
     log_ranks: str = "all"
     kill_grace: float = 5.0
+    timeout: float | None = None
 
 
 @attrs.frozen
@@ -108,6 +117,8 @@ def _node_argv(
         argv += ["--log-ranks", job.log_ranks]
     if job.kill_grace != 5.0:
         argv += ["--kill-grace", f"{job.kill_grace:g}"]
+    if job.timeout is not None:
+        argv += ["--timeout", repr(float(job.timeout))]
     if env_options:
         for key, value in sorted(job.env.items()):
             argv += ["--env", f"{key}={value}"]
@@ -231,12 +242,21 @@ def mpi_flavor(version_output: str) -> str:
     return "mpich" if ("hydra" in text or "mpich" in text or "intel" in text) else "openmpi"
 
 
-def run_nodes(commands: Sequence[NodeCommand], *, kill_grace: float, max_restarts: int = 0) -> int:
+def run_nodes(
+    commands: Sequence[NodeCommand],
+    *,
+    kill_grace: float,
+    max_restarts: int = 0,
+    timeout: float | None = None,
+) -> int:
     """Run the node commands and supervise them like ranks: every line is
     re-emitted prefixed with the node, the first to fail stops the others
     (SIGTERM, then SIGKILL after ``kill_grace``), and up to ``max_restarts``
-    times the whole job starts again. Returns the first failure's exit code,
-    0, or 128 + the signal that stopped the driver."""
+    times the whole job starts again; once ``timeout`` seconds have passed
+    in all, the node launchers still running are stopped the same way.
+    Returns the first failure's exit code, 0, 124 when the time ran out,
+    or 128 + the signal that stopped the driver."""
+    deadline = Deadline.of(timeout)
     restart = 0
     while True:
         sink = Sink()
@@ -256,7 +276,13 @@ def run_nodes(commands: Sequence[NodeCommand], *, kill_grace: float, max_restart
                 output.start()
             try:
                 outcome = _supervise(
-                    procs, range(len(procs)), received, kill_grace, sink, names=labels
+                    procs,
+                    range(len(procs)),
+                    received,
+                    kill_grace,
+                    sink,
+                    names=labels,
+                    deadline=deadline,
                 )
             except BaseException:
                 _stop(procs, 0.0, received)
@@ -265,11 +291,18 @@ def run_nodes(commands: Sequence[NodeCommand], *, kill_grace: float, max_restart
                 for p in procs:
                     if p.stdin is not None:
                         p.stdin.close()
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        drained_by = time.monotonic() + DRAIN_TIMEOUT_S
         for output in outputs:
-            output.join(max(0.0, deadline - time.monotonic()))
+            output.join(max(0.0, drained_by - time.monotonic()))
         if outcome.signum is not None:
             return 128 + outcome.signum
+        if outcome.timed_out and deadline is not None:
+            for i in outcome.timed_out:
+                said = last_lines(outputs[i].output_tail(), 10)
+                what = f"its last {len(said)} line(s):" if said else "it wrote nothing"
+                head = f"{labels[i]} was still running at --timeout {deadline.seconds:g} s"
+                sink.message("\n".join([f"shardax launch: {head}; {what}", *said]))
+            return TIMEOUT_EXIT_CODE
         if not outcome.failures:
             return 0
         index, code = outcome.failures[0]

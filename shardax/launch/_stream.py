@@ -1,5 +1,6 @@
 """Rank output: re-emit every line of a rank prefixed ``[rank k] ``, and keep
-the tail of its stderr so a failure can be reported with its traceback.
+the tail of its output (stderr alone, and both streams in the order they
+came) so a failure can be reported with its traceback or its last lines.
 
 One :class:`Sink` (one lock) serializes all writes of the launcher, so lines
 of different ranks never interleave within a line. Each rank has two reader
@@ -30,6 +31,8 @@ __all__ = [
     "exit_code",
     "extract_traceback",
     "format_failure",
+    "format_timeout",
+    "last_lines",
 ]
 
 TRACEBACK_HEAD = "Traceback (most recent call last):"
@@ -41,8 +44,9 @@ _CHAIN_LINES = frozenset(
     }
 )
 MAX_LINE_BYTES = 64 * 1024  # a longer line is re-emitted in pieces of this size
-TAIL_LINES = 1000  # stderr lines remembered per rank
-STDERR_LINES_WITHOUT_TRACEBACK = 20  # shown for a failed rank that printed no traceback
+TAIL_LINES = 1000  # stderr lines remembered per rank (and as many of both streams)
+LINES_WITHOUT_TRACEBACK = 20  # shown for a failed rank that printed no traceback
+LINES_OF_A_RUNNING_RANK = 10  # shown for each rank still running at --timeout
 
 Which = Literal["stdout", "stderr"]
 
@@ -98,14 +102,14 @@ class Sink:
 
 
 class RankOutput:
-    """The reader threads of one rank, and the tail of its stderr.
+    """The reader threads of one rank, and the tail of its output.
 
     Args:
         rank: The rank, used in the ``[rank k] `` prefix.
         stdout: The read end of the rank's stdout pipe (binary).
         stderr: The read end of the rank's stderr pipe (binary).
         sink: Where lines go.
-        show: Whether this rank's lines are re-emitted; the stderr tail is
+        show: Whether this rank's lines are re-emitted; the tails are
             kept either way.
         label: The prefix instead of ``[rank k] `` (a node's name, when the
             process is a node's launcher).
@@ -123,6 +127,8 @@ class RankOutput:
     ) -> None:
         self.rank = rank
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._both: deque[list[str]] = deque(maxlen=TAIL_LINES)  # [stream, text]
+        self._redrawn: dict[str, list[str]] = {}  # per stream: its line being redrawn
         self._tail_lock = threading.Lock()
         prefix = (f"[rank {rank}] " if label is None else label).encode()
         self._threads = [
@@ -152,23 +158,42 @@ class RankOutput:
         with self._tail_lock:
             return list(self._tail)
 
+    def output_tail(self) -> list[tuple[str, str]]:
+        """The last lines of this rank on either stream, in the order they
+        began, each with its stream: ``("stdout", "step 3")``. A line
+        redrawn in place with ``\r`` (a progress bar) is one entry: its
+        latest text, or the line that ended it."""
+        with self._tail_lock:
+            return [(which, text) for which, text in self._both]
+
     def _pump(self, pipe: IO[bytes], which: Which, prefix: bytes, sink: Sink, show: bool) -> None:
         try:
             for piece, is_line in _pieces(pipe):
+                self._keep(which, piece.decode("utf-8", "replace").rstrip("\r\n"), is_line)
                 if not is_line:  # a "\r" redraw (a progress bar): at once, over the last
                     if show:
                         sink.write(which, b"\r" + prefix + piece, redraw=True)
                     continue
-                if which == "stderr":
-                    text = piece.decode("utf-8", "replace").rstrip("\r\n")
-                    with self._tail_lock:
-                        self._tail.append(text)
                 if show:
                     sink.write(which, prefix + piece)
         except (OSError, ValueError):  # the pipe was closed under us
             pass
         finally:
             pipe.close()
+
+    def _keep(self, which: Which, text: str, is_line: bool) -> None:
+        """Remember a line (or a redraw: a line redrawn in place keeps one
+        entry, its latest text, which the line that ends it replaces)."""
+        with self._tail_lock:
+            if is_line and which == "stderr":
+                self._tail.append(text)
+            entry = self._redrawn.pop(which, None)
+            if entry is None:
+                entry = [which, text]
+                self._both.append(entry)
+            entry[1] = text
+            if not is_line:
+                self._redrawn[which] = entry
 
 
 def _pieces(pipe: IO[bytes]) -> Iterator[tuple[bytes, bool]]:
@@ -286,11 +311,25 @@ def describe_returncode(returncode: int | None) -> str:
     return f"killed by {name} (exit code {exit_code(returncode)})"
 
 
+def last_lines(output: Sequence[tuple[str, str]], n: int) -> list[str]:
+    """The last ``n`` lines that say something (blank ones left out) of a
+    rank's output tail (:meth:`RankOutput.output_tail`), each marked with
+    its stream.
+
+    >>> last_lines([("stdout", "step 1"), ("stderr", ""), ("stdout", "fatal: no shard 3"),
+    ...             ("stderr", "step 2/10")], 2)
+    ['  stdout| fatal: no shard 3', '  stderr| step 2/10']
+    """
+    said = [(which, text) for which, text in output if text.strip()]
+    return [f"  {which}| {text}" for which, text in said[-n:]] if n > 0 else []
+
+
 def format_failure(
     failures: Sequence[tuple[int, int]],
     returncodes: Mapping[int, int | None],
     stderr_tail: Sequence[str],
     cmd: Sequence[str],
+    output_tail: Sequence[tuple[str, str]] = (),
 ) -> str:
     """The summary printed when ranks failed.
 
@@ -300,10 +339,14 @@ def format_failure(
         returncodes: The final return code of every rank.
         stderr_tail: The last stderr lines of the first failed rank.
         cmd: The command the ranks ran.
+        output_tail: The last lines of the first failed rank on both
+            streams (:meth:`RankOutput.output_tail`); where absent, its
+            stderr tail stands in.
 
     Returns:
         Lines naming the failed rank and how it ended, the other ranks, the
-        command, and the rank's traceback (or its last stderr lines).
+        command, and the rank's traceback — or, when it printed none, its
+        last lines on stdout and stderr.
 
     >>> print(format_failure([(1, 1)], {0: -15, 1: 1},
     ...       ["Traceback (most recent call last):", "ValueError: boom"], ["python", "t.py"]))
@@ -315,6 +358,15 @@ def format_failure(
       traceback of rank 1:
     Traceback (most recent call last):
     ValueError: boom
+    ========================================================================
+    >>> print(format_failure([(0, 2)], {0: 2}, [""], ["python", "t.py"],
+    ...       [("stdout", "fatal: no shard 3"), ("stderr", "")]))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    ========================================================================
+    shardax launch: rank 0 failed first: exit code 2
+      command: python t.py
+      no Python traceback; the last 1 line(s) rank 0 wrote (stdout and stderr, in order):
+      stdout| fatal: no shard 3
     ========================================================================
     """
     rank, code = failures[0]
@@ -330,12 +382,66 @@ def format_failure(
         lines.append("  other ranks: " + "; ".join(others))
     lines.append(f"  command: {shlex.join(cmd)}")
     traceback = extract_traceback(stderr_tail)
+    output = output_tail or [("stderr", line) for line in stderr_tail]
+    said = last_lines(output, LINES_WITHOUT_TRACEBACK)
     if traceback:
         lines += [f"  traceback of rank {rank}:", *traceback]
-    elif stderr_tail:
-        tail = list(stderr_tail)[-STDERR_LINES_WITHOUT_TRACEBACK:]
-        lines += [f"  no Python traceback; last {len(tail)} stderr line(s) of rank {rank}:", *tail]
+    elif said:
+        lines += [
+            f"  no Python traceback; the last {len(said)} line(s) rank {rank} wrote "
+            "(stdout and stderr, in order):",
+            *said,
+        ]
     else:
-        lines.append(f"  rank {rank} wrote nothing to stderr")
+        lines.append(f"  rank {rank} wrote nothing (no line on stdout or stderr)")
     lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def format_timeout(
+    timeout: float,
+    running: Sequence[int],
+    returncodes: Mapping[int, int | None],
+    outputs: Mapping[int, Sequence[tuple[str, str]]],
+    cmd: Sequence[str],
+) -> str:
+    """The summary printed when the job ran past ``shardax launch --timeout``.
+
+    Args:
+        timeout: The limit, in seconds.
+        running: The ranks still running when it expired.
+        returncodes: The final return code of every rank (those stopped included).
+        outputs: The output tail of each rank (:meth:`RankOutput.output_tail`).
+        cmd: The command the ranks ran.
+
+    >>> print(format_timeout(5.0, [1], {0: 0, 1: -15}, {1: [("stdout", "waiting for rank 3")]},
+    ...       ["python", "t.py"]))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    ========================================================================
+    shardax launch: the job ran past --timeout 5 s; 1 rank(s) were still running: rank 1
+      rank 0: exit code 0
+      rank 1: killed by SIGTERM (exit code 143); its last 1 line(s):
+      stdout| waiting for rank 3
+      command: python t.py
+    ========================================================================
+    """
+    names = ", ".join(f"rank {r}" for r in running)
+    lines = [
+        "=" * 72,
+        f"shardax launch: the job ran past --timeout {timeout:g} s; "
+        f"{len(running)} rank(s) were still running: {names}",
+    ]
+    for rank, code in returncodes.items():
+        if rank not in running:
+            lines.append(f"  rank {rank}: {describe_returncode(code)}")
+            continue
+        said = last_lines(outputs.get(rank, ()), LINES_OF_A_RUNNING_RANK)
+        how = describe_returncode(code)
+        lines.append(
+            f"  rank {rank}: {how}; its last {len(said)} line(s):"
+            if said
+            else f"  rank {rank}: {how}; it wrote nothing"
+        )
+        lines += said
+    lines += [f"  command: {shlex.join(cmd)}", "=" * 72]
     return "\n".join(lines)

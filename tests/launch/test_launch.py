@@ -227,6 +227,47 @@ def test_the_launcher_exits_with_the_failed_ranks_code(
     assert_all_gone(wait_for_pids(tmp_path, 2))
 
 
+def test_a_rank_without_a_traceback_shows_its_last_lines_of_stdout_and_stderr(
+    tmp_path: Path,
+) -> None:
+    """Its reason may be on stdout, and its stderr only a progress bar and a
+    blank line: the summary shows what it said on both, blank lines left out."""
+    result = run_launch("--nproc-per-node", "2", BEHAVE, str(tmp_path), "sleep", "quiet-exit2")
+    assert result.returncode == 2, result.stderr
+    summary = result.stderr[result.stderr.index("rank 1 failed first: exit code 2") :]
+    assert "no Python traceback; the last 3 line(s) rank 1 wrote (stdout and stderr" in summary
+    said = [line for line in summary.splitlines() if line.startswith("  std")]
+    assert sorted(said) == [
+        "  stderr| step 2/10",
+        "  stdout| fatal: cannot open shard 3",
+        "  stdout| giving up",
+    ]
+    assert said.index("  stdout| fatal: cannot open shard 3") < said.index("  stdout| giving up")
+    assert_all_gone(wait_for_pids(tmp_path, 2))
+
+
+MISMATCH = str(Path(__file__).parents[1] / "collectives" / "scripts" / "mismatch_rank.py")
+
+
+@pytest.mark.parametrize("backend", ["torch", "shm"])
+def test_a_collective_mismatch_ends_the_job_with_exit_1_and_the_error(backend: str) -> None:
+    """Issue 35.3: the ranks raise CollectiveMismatchError and exit 1 — no
+    SIGABRT in gloo's teardown (tests/collectives/test_exit_status.py checks
+    each rank on its own)."""
+    if backend == "shm":
+        from shardax.collectives._shm_backend import shm_available
+
+        if not shm_available()[0]:
+            pytest.skip(f"no shm backend here: {shm_available()[1]}")
+    env = _env(SHARDAX_BACKEND=backend)
+    result = run_launch("--nproc-per-node", "2", MISMATCH, "psum-shape", env=env)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "SIGABRT" not in result.stderr and "terminate called" not in result.stderr
+    summary = result.stderr[result.stderr.index("failed first: exit code 1") :]
+    assert "shardax.errors.CollectiveMismatchError: collective #0" in summary
+    assert "they differ in: element count" in summary
+
+
 def test_the_first_failure_wins(tmp_path: Path) -> None:
     # Rank 0 exits 5 when the launcher stops it: a consequence, not the cause.
     result = run_launch("--nproc-per-node", "2", BEHAVE, str(tmp_path), "term-exit5", "raise")
@@ -234,6 +275,34 @@ def test_the_first_failure_wins(tmp_path: Path) -> None:
     assert "rank 1 failed first: exit code 1" in result.stderr
     assert "other ranks: rank 0: exit code 5" in result.stderr
     assert_all_gone(wait_for_pids(tmp_path, 2))
+
+
+# --- the job's time limit ---------------------------------------------------------------
+
+
+def test_timeout_stops_a_job_that_never_ends(tmp_path: Path) -> None:
+    """--timeout 15: both ranks still run (one ignores SIGTERM, one has a
+    child) when it passes; all are stopped, named with their last lines,
+    and the launcher exits 124. (The outcome is asserted, not the time:
+    15 s leaves a loaded host ample time to start both ranks, which the
+    last lines need.)"""
+    args = ["--nproc-per-node", "2", "--timeout", "15", "--kill-grace", "1", BEHAVE, str(tmp_path)]
+    result = run_launch(*args, "sleep-ignore-term", "sleep-grandchild")
+    assert result.returncode == 124, result.stderr
+    assert "the job ran past --timeout 15 s; stopping rank 0, rank 1" in result.stderr
+    summary = result.stderr[result.stderr.index("2 rank(s) were still running: rank 0, rank 1") :]
+    assert "rank 0: killed by SIGKILL (exit code 137); its last 1 line(s):" in summary
+    assert "rank 1: killed by SIGTERM (exit code 143); its last 1 line(s):" in summary
+    assert "stdout| rank 0 sleeping" in summary and "stdout| rank 1 sleeping" in summary
+    assert_all_gone(wait_for_pids(tmp_path, 2))
+
+
+def test_a_job_within_its_timeout_is_untouched(tmp_path: Path) -> None:
+    result = run_launch(
+        "--nproc-per-node", "2", "--timeout", "600", BEHAVE, str(tmp_path), "ok", "ok"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--timeout" not in result.stderr
 
 
 # --- signals to the launcher -----------------------------------------------------------
@@ -298,6 +367,8 @@ def test_ranks_and_their_children_die_with_a_killed_launcher(tmp_path: Path) -> 
         (["--nproc-per-node", "2", "--log-ranks", "2", "t.py"], "no rank(s) [2] in a job of 2"),
         (["--log-ranks", "first", "t.py"], "is not 'all' or a list of ranks"),
         (["--kill-grace", "-1", "t.py"], "-1.0 is not in the range x>=0"),
+        (["--timeout", "0", "t.py"], "0.0 is not in the range x>0"),
+        (["--timeout", "soon", "t.py"], "'soon' is not a valid float"),
         (["--master-port", "70000", "t.py"], "70000 is not in the range 1<=x<=65535"),
         (["-m", "--no-python", "x"], "module and no_python cannot be combined"),
         (["--no-python", "no-such-exe-shardax"], "executable 'no-such-exe-shardax' not found"),
@@ -337,6 +408,7 @@ def test_python_api_runs_ranks_in_process(capfd: pytest.CaptureFixture[str]) -> 
         ({"master_addr": ""}, "master_addr must be a host name"),
         ({"log_ranks": [3]}, "no rank(s) [3] in a job of 2"),
         ({"kill_grace": -1}, "kill_grace must be a number of seconds >= 0"),
+        ({"timeout": 0}, "timeout must be a number of seconds > 0"),
         ({"cmd": ["/no/such/program"]}, "could not start rank 0 of 2"),
     ],
 )

@@ -389,3 +389,40 @@ def test_a_node_launcher_stops_when_its_driver_goes_away():
     proc.stdout.close()
     proc.stderr.close()
     assert proc.returncode == 129 and "stdin closed" in err
+
+
+def test_the_driver_stops_every_node_at_the_timeout(
+    capfd: pytest.CaptureFixture[str], tmp_path: Path
+):
+    """run_nodes with a timeout, on node launchers started directly: when it
+    passes, both still run; the driver stops them (their launchers stop
+    their ranks), shows each one's last lines and returns 124. (12 s leaves
+    a loaded host ample time to start both, which the last lines need.)"""
+    port = free_port()
+    behave = str(SCRIPTS / "behave.py")
+    commands = [
+        NodeCommand(name, node_launcher(n, port, behave, str(tmp_path), "sleep", "sleep"))
+        for n, name in enumerate(("node-a", "node-b"))
+    ]
+    code = run_nodes(commands, kill_grace=2.0, timeout=12.0)
+    err = capfd.readouterr().err
+    assert code == 124, err
+    assert "shardax launch: the job ran past --timeout 12 s; stopping node-a, node-b" in err
+    for n, name in enumerate(("node-a", "node-b")):
+        assert f"shardax launch: {name} was still running at --timeout 12 s; its last" in err
+        assert f"  stdout| [rank {n}] rank {n} sleeping" in err
+    pids = [int(p) for f in tmp_path.iterdir() for p in f.read_text().split()]
+    deadline = time.monotonic() + 5.0
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+def test_the_timeout_reaches_every_node_launcher(job_dir: Path):
+    result = cli(
+        "--hostfile", "hosts", "--launcher", "ssh", "--timeout", "90", "--dry-run", "train.py",
+        env={"PATH": "/bin"}, cwd=job_dir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3 and all("--timeout 90.0" in line for line in lines), lines

@@ -54,5 +54,12 @@ elif action == "exit3":
 elif action == "sigkill":
     wait_for_everyone()
     os.kill(os.getpid(), signal.SIGKILL)
+elif action == "quiet-exit2":  # no traceback: says why on stdout, a progress bar on stderr
+    wait_for_everyone()
+    print("fatal: cannot open shard 3", flush=True)
+    sys.stderr.write("\rstep 1/10\rstep 2/10\n\n")
+    sys.stderr.flush()
+    print("giving up", flush=True)
+    sys.exit(2)
 elif action not in ("ok", "ok-grandchild"):
     raise SystemExit(f"behave.py: unknown action {action!r}")
