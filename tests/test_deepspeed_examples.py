@@ -464,7 +464,8 @@ def test_warmup_scheduler_params_are_read_as_deepspeed_reads_them():
     """``lr_schedules.py``: WarmupDecayLR's ``warmup_max_lr`` defaults to
     0.001 (WarmupLR's to the optimizer's lr; ``"auto"``, which the HF
     Trainer fills with its lr, is the optimizer's too); a
-    ``warmup_num_steps`` below 1 is DeepSpeed's ValueError; an unknown
+    ``warmup_num_steps`` below 1 is DeepSpeed's ValueError, a missing
+    ``total_num_steps`` its TypeError (``"auto"``: the run's); an unknown
     ``warmup_type`` is a warning there and the log warmup."""
     adam = {"type": "AdamW", "params": {"lr": 3e-4}}
     decay = {"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}
@@ -476,6 +477,11 @@ def test_warmup_scheduler_params_are_read_as_deepspeed_reads_them():
         with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_num_steps is a positive "
                            f"integer, as DeepSpeed's {kind} requires; got 0"):  # fmt: skip
             from_deepspeed({"scheduler": zero})
+    for kind in ("WarmupDecayLR", "WarmupCosineLR"):  # a required argument in DeepSpeed
+        with pytest.raises(ConfigError, match=rf"total_num_steps is missing: DeepSpeed's {kind}"):
+            from_deepspeed({"scheduler": {"type": kind, "params": {"warmup_num_steps": 5}}})
+        run = {"type": kind, "params": {"warmup_num_steps": 5, "total_num_steps": "auto"}}
+        assert from_deepspeed({"scheduler": run})[0]["schedule"].get("total_steps") is None
     odd = {**decay, "params": {**decay["params"], "warmup_type": "cosine"}}
     data, unmapped = from_deepspeed({"scheduler": odd})
     assert data["schedule"]["warmup"] == "log"

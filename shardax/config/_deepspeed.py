@@ -426,6 +426,17 @@ class _Params:
         value = self.take(key, default)
         return None if value is None else _whole(f"scheduler.params.{key}", value)
 
+    def total(self) -> int | None:
+        """``total_num_steps``: required, as DeepSpeed's constructor requires
+        it (``"auto"``: the run's steps, as the Hugging Face Trainer fills it)."""
+        if "total_num_steps" not in self.params:
+            raise ConfigError(
+                f"scheduler.params.total_num_steps is missing: DeepSpeed's {self.kind} needs it "
+                '(give the number of updates, or "auto" for the run\'s steps)',
+                "scheduler.params",
+            )
+        return self.whole("total_num_steps")
+
     def number(self, key: str, default: Any = None) -> float:
         value = self.take(key, default)
         if value is None:
@@ -450,14 +461,14 @@ def _ds_scheduler(sched: Mapping[str, Any], ds: Mapping[str, Any], put: Put, ski
             put("optimizer", "lr", 0.001)  # WarmupDecayLR's own default, not the optimizer's lr
         # else ("auto", or WarmupLR's default None): DeepSpeed warms up to the optimizer's lr
         if kind == "WarmupDecayLR":
-            put("schedule", "total_steps", p.whole("total_num_steps"))
+            put("schedule", "total_steps", p.total())
             put("schedule", "end_lr", low)  # DeepSpeed decays back to warmup_min_lr
     elif kind == "WarmupCosineLR":
         lr = (ds.get("optimizer") or {}).get("params", {}).get("lr")
         base = _number("optimizer.params.lr", lr) if lr not in (None, "auto") else 1e-3
         put("schedule", "type", "warmup_cosine")
         _ds_warmup(p, put, skip)
-        put("schedule", "total_steps", p.whole("total_num_steps"))
+        put("schedule", "total_steps", p.total())
         put("schedule", "init_lr", base * p.number("warmup_min_ratio", 0.0))
         put("schedule", "end_lr", base * p.number("cos_min_ratio", 1e-4))
     elif kind == "OneCycle":

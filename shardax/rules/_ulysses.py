@@ -38,7 +38,9 @@ def ulysses(sp: str = "sp", *, names: TransformerNames | Literal["auto"] = GPT_N
     What the model returns is whole on every rank: the sequence is gathered
     where the head starts (with ``names.final``, GPT-2's, after the final
     norm), so every rank computes the whole sequence's logits and a plain
-    loss, Hugging Face's ``labels=`` and ``generate()`` work unchanged. The head
+    loss and Hugging Face's ``labels=`` work unchanged (sampling one token
+    at a time cannot split the sequence: apply the same params without
+    these rules, as ``examples/train_gpt.py`` does). The head
     count and the sequence length must divide by the ``sp`` size; the
     attention projections' features must be laid out head-major, or packed
     (``names.packed``: each of q, k and v split over heads, with

@@ -322,6 +322,7 @@ def apply(
             f"apply(rules=...) takes Rules (or a Rule, or a list of them); got {type(rules).__name__}"
         )
     module_rules = bound.modules if bound is not None else _bound_modules(params)
+    _check_shared_splits(model, params, module_rules)
     recompute = None
     if any(r.remat is not None for r in module_rules):
         recompute = Recompute(
@@ -354,6 +355,38 @@ def apply(
         uninstall()
         run.close()
     return out
+
+
+def _check_shared_splits(model: nn.Module, params: dict[str, Any], rules: Sequence[Any]) -> None:
+    """Refuse a weight that computes split over mesh axes and is shared by a
+    module that no module rule completes (a head tied to a vocab-parallel
+    embedding, with no ``head`` in the names): that module's output would
+    be this rank's piece of its whole output, passing for all of it."""
+    users: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, t in module._parameters.items():
+            if t is not None:
+                users.setdefault(id(t), []).append(path)
+                first.setdefault(id(t), f"{path}.{name}" if path else name)
+    for key, paths in users.items():
+        x = params.get(first[key])
+        if len(paths) < 2 or not isinstance(x, Sharded) or x.placement is None:
+            continue
+        compute = role_layout(x, "compute")
+        split = [a for axes in compute.spec.dim_axes(len(x.shape)) for a in axes]
+        if not split:
+            continue
+        for path in paths:
+            if not any(r.matches(path) and (r.forward or r.output) for r in rules):
+                raise ShardingError(
+                    f"apply: params[{first[key]!r}] {x.shape} computes split over {split} "
+                    f"({compute.spec!r}) and is shared with {path or 'the model'!r} "
+                    f"({type(model.get_submodule(path)).__name__}), which no module rule "
+                    "completes: its output would be this rank's piece. Name that module in the "
+                    "rules (a tied LM head: TransformerNames(head=...)), or keep the weight "
+                    f"whole with Rule({first[key]!r}, P()) before the preset's rules"
+                )
 
 
 def _needs_grad(tape: Any) -> Callable[[Any], bool]:

@@ -78,6 +78,19 @@ class Relayout:
         shape = list(t.shape)
         for d, axes in enumerate(self.src.dim_axes(t.ndim)):
             shape[d] *= math.prod(mesh.size(a) for a in axes)
+        for d, (was, axes) in enumerate(
+            zip(self.src.dim_axes(t.ndim), self.dst.dim_axes(t.ndim), strict=True)
+        ):
+            n = math.prod(mesh.size(a) for a in axes if a not in was)
+            if shape[d] % n:
+                raise ShardingError(
+                    f"{where}: {self!r} splits dim {d} of a {tuple(shape)} activation over "
+                    f"{axes!r} ({n} ranks), which does not divide {shape[d]}: activations split "
+                    f"evenly — give sequences whose length divides by {n} (to sample one token "
+                    "at a time, apply the same params with rules that do not split the "
+                    "sequence: rules.megatron(tp) without sequence_parallel, or no rules under "
+                    "Ulysses)"
+                )
         src = Layout(mesh, self.src, partial=self.partial)
         moved = transfer(Sharded(t, src, tuple(shape)), Layout(mesh, self.dst)).local
         return moved.contiguous()  # modules .view() their inputs (Conv1D does)
@@ -90,7 +103,7 @@ class Relayout:
 @attrs.frozen(repr=False)
 class SplitOutput:
     """What becomes of a module output whose dim ``dim`` (counted from the
-    end when negative) comes out split evenly over ``axis`` — a
+    end when negative) comes out split over ``axis`` — a
     vocabulary-parallel LM head's logits: with ``gather`` (the default)
     it is all-gathered into the whole tensor, so what the model returns
     has its own shape on every rank and any loss, sampling or Hugging
@@ -99,6 +112,12 @@ class SplitOutput:
     :func:`shardax.vocab_parallel_cross_entropy` takes as it is and every
     plain torch op refuses (:class:`shardax.SplitTensorError`). Never a
     bare piece that could pass for the whole tensor.
+
+    The whole size of the dim is the module's own (``out_features`` of an
+    ``nn.Linear``, ``nf`` of Hugging Face's ``Conv1D``), so an output that
+    is already whole — the module's weight kept whole by a rule of yours —
+    comes back as it is, and uneven pieces are laid out as
+    ``torch.chunk`` lays them (an output of any other size is an error).
 
     >>> SplitOutput("tp")
     SplitOutput('tp')
@@ -114,8 +133,13 @@ class SplitOutput:
         if not self.axis:
             raise ShardingError("SplitOutput needs the mesh axis the output is split over")
 
-    def __call__(self, t: torch.Tensor, mesh: AbstractMesh, where: str = "") -> Any:
-        """``t`` (this rank's piece) gathered, or marked as a ``Sharded``."""
+    def __call__(
+        self, t: torch.Tensor, mesh: AbstractMesh, where: str = "", module: Any = None
+    ) -> Any:
+        """``t`` (this rank's piece of ``module``'s output) gathered, or
+        marked as a ``Sharded``."""
+        from ._transfer import transfer
+
         if not isinstance(t, torch.Tensor):
             raise ShardingError(f"{where}: {self!r} needs a tensor; got {type(t).__name__}")
         if not -t.ndim <= self.dim < t.ndim:
@@ -123,12 +147,28 @@ class SplitOutput:
                 f"{where}: {self!r} splits dim {self.dim}, the output has shape {tuple(t.shape)}"
             )
         dim = self.dim % t.ndim
-        split = PartitionSpec(*[None] * dim, self.axis)
+        whole = _features(module)
+        if whole is None:
+            raise ShardingError(
+                f"{where}: {self!r} cannot tell the whole size of dim {dim} of a "
+                f"{type(module).__name__} output: it reads out_features (nn.Linear) or nf "
+                "(transformers' Conv1D); give the module rule a forward of its own"
+            )
+        if t.shape[dim] == whole:  # the weight kept whole (a rule before the preset's)
+            return t
+        shape = (*t.shape[:dim], whole, *t.shape[dim + 1 :])
+        split = Layout(mesh, PartitionSpec(*[None] * dim, self.axis))
+        rank = getattr(mesh, "rank", 0)
+        if split.local_shape(shape, rank) != tuple(t.shape):
+            raise ShardingError(
+                f"{where}: {self!r}: this rank's output has shape {tuple(t.shape)}, neither the "
+                f"whole {shape} nor its piece {split.local_shape(shape, rank)} under {split!r}; "
+                "is the module's weight laid out over another axis?"
+            )
+        piece = Sharded(t, split, shape)
         if self.gather:
-            return Relayout(split, PartitionSpec())(t, mesh, where)
-        shape = list(t.shape)
-        shape[dim] *= math.prod(mesh.size(a) for a in self.axis)
-        return Sharded(t, Layout(mesh, split), tuple(shape))
+            return transfer(piece, Layout(mesh, PartitionSpec())).local
+        return piece
 
     def __repr__(self) -> str:
         axis = self.axis[0] if len(self.axis) == 1 else self.axis
@@ -136,6 +176,16 @@ class SplitOutput:
             "" if self.gather else ", gather=False"
         )
         return f"SplitOutput({axis!r}{tail})"
+
+
+def _features(module: Any) -> int | None:
+    """The whole output width a module declares (``nn.Linear``,
+    ``transformers``' ``Conv1D``), or None."""
+    for name in ("out_features", "nf"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 Forward = Callable[..., Any]
@@ -374,7 +424,9 @@ def _output(rule: ModuleRule, mesh: AbstractMesh, path: str) -> Callable[..., An
     assert rule.output is not None
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        return rule.output(output, mesh, f"{path} output")  # type: ignore[misc]
+        if isinstance(rule.output, SplitOutput):
+            return rule.output(output, mesh, f"{path} output", module)
+        return rule.output(output, mesh, f"{path} output")
 
     return hook
 

@@ -56,6 +56,9 @@ class _Piece:
         piece = next((a for a in values if isinstance(a, Sharded)), None)
         raise _refusal(piece, _call_name(func))
 
+    def __bool__(self) -> bool:  # an object, as any (not a tensor's truth value)
+        return True
+
     def __getattr__(self, name: str) -> object:
         if name in _TENSOR_NAMES:
             raise _refusal(self, f".{name}")  # type: ignore[arg-type]

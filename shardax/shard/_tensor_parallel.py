@@ -202,12 +202,15 @@ def vocab_parallel_cross_entropy(
     start, stop = logits.bounds()[-1]
     n = stop - start
     z = logits.local.float()
-    top = C.pmax(z.detach().amax(-1), split, mesh=m)  # for stability only: no gradient
+    # an empty piece (a vocabulary smaller than the axis) adds nothing to the max
+    mine = z.detach().amax(-1) if n else z.new_full(z.shape[:-1], float("-inf"))
+    top = C.pmax(mine, split, mesh=m)  # for stability only: no gradient
     z = z - top.unsqueeze(-1)
     sum_exp = C.psum(z.exp().sum(-1), split, mesh=m)
     local = targets - start
     inside = (local >= 0) & (local < n)
-    picked = z.gather(-1, local.clamp(0, max(n - 1, 0)).unsqueeze(-1)).squeeze(-1)
+    # an empty piece: zeros that keep the graph
+    picked = z.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) if n else z.sum(-1)
     target = C.psum(picked * inside.to(z.dtype), split, mesh=m)
     per_token = sum_exp.log() - target
     keep = targets != ignore_index

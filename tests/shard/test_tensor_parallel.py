@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from _dist import run_ranks
 from _parity import MEGATRON_CASES, MEGATRON_IDS, adamw_steps
 
 import shardax as sx
+from shardax import P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig
@@ -238,6 +240,75 @@ def test_vocab_parallel_cross_entropy_refuses_a_plain_tensor():
         sx.vocab_parallel_cross_entropy(piece, torch.zeros(3, 1, dtype=torch.long))
     with pytest.raises(sx.ShardingError, match=r"logits='whole'\): 'gather'"):
         sx.rules.megatron("tp", logits="whole")
+
+
+def split_output_edges() -> dict[str, object]:
+    """What review found passing for whole outputs, each on 2 ranks: a head
+    kept whole by a rule before the preset's (its output is whole: not
+    gathered again), a tied head the names leave out (refused), a head
+    split unevenly (the marked piece's layout is torch.chunk's, the loss
+    exact), a vocabulary smaller than the axis (one rank's piece empty), a
+    sequence that does not divide by the axis (refused)."""
+    mesh = sx.Mesh({"tp": 2})
+    x, y = batch(0)
+    out: dict[str, object] = {}
+    torch.manual_seed(0)
+    untied = GPT(attrs.evolve(CFG, tie_embeddings=False))
+    with torch.no_grad():
+        reference = F.cross_entropy(untied(x).flatten(0, 1), y.flatten())
+        kept = sx.Rule(r"lm_head\.weight", P()) + sx.rules.megatron("tp")
+        whole = sx.apply(untied, sx.shard(sx.params_of(untied), mesh, kept), x)
+    out["kept"] = (
+        tuple(whole.shape),
+        bool(torch.allclose(F.cross_entropy(whole.flatten(0, 1), y.flatten()), reference)),
+    )
+    names = sx.rules.TransformerNames(
+        column=r"blocks\.\d+\.(attn\.qkv|mlp\.fc)", row=r"blocks\.\d+\.(attn|mlp)\.proj",
+        vocab="wte", replicated="wpe",
+    )  # fmt: skip
+    tied = GPT(CFG)  # its head tied to wte, which the names split; no head named
+    try:
+        sx.apply(tied, sx.shard(sx.params_of(tied), mesh, sx.rules.megatron("tp", names=names)), x)
+        out["tied"] = "no error"
+    except sx.ShardingError as err:
+        out["tied"] = str(err)
+    head = torch.nn.Sequential()
+    head.add_module("head", torch.nn.Linear(4, 7, bias=False))
+    h = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    t = torch.tensor([0, 3, 4, 6, 2])
+    uneven = sx.Rules(
+        sx.Rule(r"head\.weight", P("tp", None)),
+        sx.ModuleRule("head", output=sx.SplitOutput("tp", gather=False)),
+    )
+    piece = sx.apply(head, sx.shard(sx.params_of(head), mesh, uneven), h)
+    loss = sx.vocab_parallel_cross_entropy(piece, t)
+    out["uneven"] = (
+        piece.shape,
+        piece.local_shape,
+        bool(torch.allclose(loss, F.cross_entropy(head(h), t))),
+    )
+    logits = torch.randn(5, 1, generator=torch.Generator().manual_seed(3))
+    tiny = sx.vocab_parallel_cross_entropy(sx.shard(logits, mesh, P(None, "tp")), t * 0)
+    out["empty"] = bool(torch.allclose(tiny, F.cross_entropy(logits, t * 0)))
+    try:
+        sx.Relayout(P(), P(None, "tp"))(torch.ones(2, 5, 3), mesh, "wte output")
+        out["odd"] = "no error"
+    except sx.ShardingError as err:
+        out["odd"] = str(err)
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_split_outputs_at_their_edges_are_whole_or_refused():
+    for out in run_ranks(split_output_edges, world_size=2):
+        assert out["kept"] == ((BATCH, CFG.seq_len, CFG.vocab_size), True)
+        assert "params['wte.weight'] (32, 16) computes split over ['tp']" in out["tied"]
+        assert "shared with 'lm_head' (Linear)" in out["tied"] and "head=" in out["tied"]
+        shape, local, exact = out["uneven"]
+        assert shape == (5, 7) and local in ((5, 4), (5, 3)) and exact
+        assert out["empty"] is True
+        assert "splits dim 1 of a (2, 5, 3) activation over ('tp',) (2 ranks)" in out["odd"]
+        assert "divides by 2" in out["odd"]
 
 
 def test_megatron_needs_even_splits_and_names():
