@@ -116,8 +116,9 @@ class SplitOutput:
     The whole size of the dim is the module's own (``out_features`` of an
     ``nn.Linear``, ``nf`` of Hugging Face's ``Conv1D``), so an output that
     is already whole — the module's weight kept whole by a rule of yours —
-    comes back as it is, and uneven pieces are laid out as
-    ``torch.chunk`` lays them (an output of any other size is an error).
+    comes back as it is (without ``gather``: a ``Sharded`` laid out
+    ``P()``), and uneven pieces are laid out as ``torch.chunk`` lays them
+    (an output of any other size is an error).
 
     >>> SplitOutput("tp")
     SplitOutput('tp')
@@ -154,10 +155,11 @@ class SplitOutput:
                 f"{type(module).__name__} output: it reads out_features (nn.Linear) or nf "
                 "(transformers' Conv1D); give the module rule a forward of its own"
             )
-        if t.shape[dim] == whole:  # the weight kept whole (a rule before the preset's)
-            return t
         shape = (*t.shape[:dim], whole, *t.shape[dim + 1 :])
         split = Layout(mesh, PartitionSpec(*[None] * dim, self.axis))
+        if t.shape[dim] == whole and split.local_shape(shape, getattr(mesh, "rank", 0)) != shape:
+            # the weight kept whole (a rule before the preset's): whole, marked so if asked
+            return t if self.gather else Sharded(t, Layout(mesh, PartitionSpec()), shape)
         rank = getattr(mesh, "rank", 0)
         if split.local_shape(shape, rank) != tuple(t.shape):
             raise ShardingError(

@@ -9,6 +9,7 @@ collectives are ``psum``/``pmax``, whose transposes keep gradients exact.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -178,7 +179,7 @@ def vocab_parallel_cross_entropy(
     layout, shape = logits.layout, logits.shape
     dims = layout.spec.dim_axes(len(shape))
     split = dims[-1] if shape else ()
-    if not split or any(dims[:-1]) or layout.partial:
+    if not shape or any(dims[:-1]) or layout.partial:
         raise ShardingError(
             f"vocab_parallel_cross_entropy: logits of shape {shape} laid out {layout!r}; it needs "
             "them split over the last dim (the vocabulary) only, with no pending sums"
@@ -204,17 +205,25 @@ def vocab_parallel_cross_entropy(
     z = logits.local.float()
     # an empty piece (a vocabulary smaller than the axis) adds nothing to the max
     mine = z.detach().amax(-1) if n else z.new_full(z.shape[:-1], float("-inf"))
-    top = C.pmax(mine, split, mesh=m)  # for stability only: no gradient
+    if split:
+        pmax, psum = (functools.partial(op, axis=split, mesh=m) for op in (C.pmax, C.psum))
+    else:  # a head kept whole by a rule of yours: the whole vocabulary here
+        pmax = psum = _same
+    top = pmax(mine)  # for stability only: no gradient
     z = z - top.unsqueeze(-1)
-    sum_exp = C.psum(z.exp().sum(-1), split, mesh=m)
+    sum_exp = psum(z.exp().sum(-1))
     local = targets - start
     inside = (local >= 0) & (local < n)
     # an empty piece: zeros that keep the graph
     picked = z.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) if n else z.sum(-1)
-    target = C.psum(picked * inside.to(z.dtype), split, mesh=m)
+    target = psum(picked * inside.to(z.dtype))
     per_token = sum_exp.log() - target
     keep = targets != ignore_index
     return (per_token * keep).sum() / keep.sum().clamp(min=1)
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _sliding_window(module: nn.Module) -> int | None:

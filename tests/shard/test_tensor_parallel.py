@@ -222,6 +222,18 @@ def test_marked_logits_refuse_every_plain_use():
             assert "(4, 8, 16) of a (4, 8, 32) tensor" in message, message
 
 
+def test_marked_logits_on_one_rank():
+    """tp=1 (``examples/finetune_hf.py --tp 1``): the piece is the whole
+    vocabulary, still marked, and its loss the dense one."""
+    mesh = sx.Mesh({"tp": 1})
+    x, y = batch(0)
+    model, params = gpt_params(mesh, sx.rules.megatron("tp", logits="vocab_parallel"))
+    logits = sx.apply(model, params, x)
+    assert isinstance(logits, sx.Sharded) and logits.local_shape == logits.shape
+    dense = F.cross_entropy(logits.local.flatten(0, 1), y.flatten())
+    torch.testing.assert_close(sx.vocab_parallel_cross_entropy(logits, y), dense)
+
+
 def test_vocab_parallel_cross_entropy_refuses_a_plain_tensor():
     """Whole logits passed as a piece were a silent wrong loss: the plain
     tensor is refused, the message naming F.cross_entropy and the marked
@@ -261,6 +273,13 @@ def split_output_edges() -> dict[str, object]:
     out["kept"] = (
         tuple(whole.shape),
         bool(torch.allclose(F.cross_entropy(whole.flatten(0, 1), y.flatten()), reference)),
+    )
+    fast = sx.Rule(r"lm_head\.weight", P()) + sx.rules.megatron("tp", logits="vocab_parallel")
+    with torch.no_grad():
+        marked = sx.apply(untied, sx.shard(sx.params_of(untied), mesh, fast), x)
+    out["kept marked"] = (
+        marked.spec,
+        bool(torch.allclose(sx.vocab_parallel_cross_entropy(marked, y), reference)),
     )
     names = sx.rules.TransformerNames(
         column=r"blocks\.\d+\.(attn\.qkv|mlp\.fc)", row=r"blocks\.\d+\.(attn|mlp)\.proj",
@@ -302,6 +321,7 @@ def split_output_edges() -> dict[str, object]:
 def test_split_outputs_at_their_edges_are_whole_or_refused():
     for out in run_ranks(split_output_edges, world_size=2):
         assert out["kept"] == ((BATCH, CFG.seq_len, CFG.vocab_size), True)
+        assert out["kept marked"] == (P(), True)
         assert "params['wte.weight'] (32, 16) computes split over ['tp']" in out["tied"]
         assert "shared with 'lm_head' (Linear)" in out["tied"] and "head=" in out["tied"]
         shape, local, exact = out["uneven"]
