@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from ..collectives._ops import chunk_sizes
 from ..errors import ShardingError
@@ -21,7 +22,7 @@ from ..mesh._mesh import AbstractMesh, unknown_axis
 
 __all__ = [
     "Blocks", "NamedSharding", "P", "PartitionSpec", "as_spec", "blocks", "dim_bounds",
-    "piece_sizes",
+    "piece_array", "piece_sizes",
 ]  # fmt: skip
 
 
@@ -199,6 +200,23 @@ def _entry_axes(entry: Entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else entry
 
 
+def piece_array(length: int, sizes: Sequence[int]) -> np.ndarray:
+    """:func:`piece_sizes` as an int64 array of shape ``sizes`` (one
+    dimension per level), computed level by level on whole arrays: for many
+    pieces (``explain`` of a dim split 16,384 ways), where the tuple's
+    Python loop is slow; for a few, :func:`piece_sizes` is quicker.
+
+    >>> piece_array(5, [2, 2]).tolist()
+    [[2, 1], [1, 1]]
+    """
+    pieces = np.array([length], dtype=np.int64)
+    for n in sizes:
+        chunk = -(-pieces // n)  # torch.chunk: ceil-sized, later ones smaller or empty
+        starts = np.arange(n, dtype=np.int64) * chunk[:, None]
+        pieces = np.clip(pieces[:, None] - starts, 0, chunk[:, None]).reshape(-1)
+    return pieces.reshape(tuple(sizes))
+
+
 def piece_sizes(length: int, sizes: Sequence[int]) -> tuple[int, ...]:
     """Lengths of the pieces of ``length`` chunked over ``sizes`` (the first
     major, each chunk chunked again), in member order.
@@ -213,17 +231,18 @@ def piece_sizes(length: int, sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def dim_bounds(length: int, sizes: Sequence[int], index: Sequence[int]) -> tuple[int, int]:
-    """``[start, stop)`` of the piece at ``index`` (one index per size).
+    """``[start, stop)`` of the piece at ``index`` (one index per size),
+    found level by level: O(levels), not O(pieces).
 
     >>> dim_bounds(5, [2, 2], [0, 1]), dim_bounds(5, [2, 2], [1, 1])
     ((2, 3), (4, 5))
     """
-    flat = 0
-    for size, i in zip(sizes, index, strict=True):
-        flat = flat * size + i
-    pieces = piece_sizes(length, sizes)
-    start = sum(pieces[:flat])
-    return start, start + pieces[flat]
+    start = 0
+    for n, i in zip(sizes, index, strict=True):
+        chunk = -(-length // n)
+        start += min(i * chunk, length)  # the pieces before the i-th: full chunks, then the rest
+        length = max(0, min(chunk, length - i * chunk))
+    return start, start + length
 
 
 def _check_spec_axes(mesh: AbstractMesh, spec: PartitionSpec) -> None:
