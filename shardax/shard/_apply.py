@@ -73,14 +73,20 @@ class _Unit:
         self.slots: list[tuple[str, Any, list[tuple[nn.Module, str, bool]]]] = []
 
 
-def _plan(model: nn.Module, params: dict[str, Any], units: Units) -> list[_Unit]:
-    """The units in forward order, each with its leaves and their owners."""
+Shared = list[tuple[str, Any, list[str]]]
+"""``(key path, leaf, module paths)`` of each parameter several modules use."""
+
+
+def _plan(model: nn.Module, params: dict[str, Any], units: Units) -> tuple[list[_Unit], Shared]:
+    """The units in forward order, each with its leaves and their owners;
+    and the parameters several modules share (tied weights)."""
     is_unit = _is_unit(units)
     unit_of: dict[str, _Unit] = {"": _Unit(0, "", model)}
     order = [unit_of[""]]
     parents: dict[str, str] = {}
     owners: dict[int, list[tuple[str, nn.Module, str, bool]]] = {}
     canonical: dict[int, str] = {}
+    users: dict[int, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         if path:
             parent_path = path.rpartition(".")[0]
@@ -101,6 +107,8 @@ def _plan(model: nn.Module, params: dict[str, Any], units: Units) -> list[_Unit]
                 full = f"{path}.{name}" if path else name
                 canonical.setdefault(id(t), full)
                 owners.setdefault(id(t), []).append((parents[path], module, name, kind == "param"))
+                if kind == "param":
+                    users.setdefault(id(t), []).append(path)
     known = {canonical[k]: k for k in canonical}
     params = dict(params)
     for path in sorted(set(known) - set(params)):  # a buffer left out: the model's own
@@ -132,7 +140,10 @@ def _plan(model: nn.Module, params: dict[str, Any], units: Units) -> list[_Unit]
                 "the params made for another model?)"
             )
         unit.slots.append((path, x, where))
-    return order
+    shared = [
+        (path, params[path], users[k]) for path, k in known.items() if len(users.get(k, ())) > 1
+    ]
+    return order, shared
 
 
 def _moved(unit: _Unit) -> str:
@@ -306,7 +317,7 @@ def apply(
             "apply takes params as a dict keyed by parameter path (as shardax.params_of returns)"
         )
     tape = current_tape()
-    plan = _plan(model, params, units)
+    plan, shared = _plan(model, params, units)
     regather = None
     if tape is not None:  # backward gathers again what autograd saves of the gathers
         regather = Regather(lambda i: _gather(plan[i]), prefetch)
@@ -322,7 +333,7 @@ def apply(
             f"apply(rules=...) takes Rules (or a Rule, or a list of them); got {type(rules).__name__}"
         )
     module_rules = bound.modules if bound is not None else _bound_modules(params)
-    _check_shared_splits(model, params, module_rules)
+    _check_shared_splits(model, shared, module_rules)
     recompute = None
     if any(r.remat is not None for r in module_rules):
         recompute = Recompute(
@@ -357,21 +368,13 @@ def apply(
     return out
 
 
-def _check_shared_splits(model: nn.Module, params: dict[str, Any], rules: Sequence[Any]) -> None:
+def _check_shared_splits(model: nn.Module, shared: Shared, rules: Sequence[Any]) -> None:
     """Refuse a weight that computes split over mesh axes and is shared by a
     module that no module rule completes (a head tied to a vocab-parallel
     embedding, with no ``head`` in the names): that module's output would
     be this rank's piece of its whole output, passing for all of it."""
-    users: dict[int, list[str]] = {}
-    first: dict[int, str] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        for name, t in module._parameters.items():
-            if t is not None:
-                users.setdefault(id(t), []).append(path)
-                first.setdefault(id(t), f"{path}.{name}" if path else name)
-    for key, paths in users.items():
-        x = params.get(first[key])
-        if len(paths) < 2 or not isinstance(x, Sharded) or x.placement is None:
+    for key, x, paths in shared:
+        if not isinstance(x, Sharded) or x.placement is None:
             continue
         compute = role_layout(x, "compute")
         split = [a for axes in compute.spec.dim_axes(len(x.shape)) for a in axes]
@@ -380,12 +383,12 @@ def _check_shared_splits(model: nn.Module, params: dict[str, Any], rules: Sequen
         for path in paths:
             if not any(r.matches(path) and (r.forward or r.output) for r in rules):
                 raise ShardingError(
-                    f"apply: params[{first[key]!r}] {x.shape} computes split over {split} "
+                    f"apply: params[{key!r}] {x.shape} computes split over {split} "
                     f"({compute.spec!r}) and is shared with {path or 'the model'!r} "
                     f"({type(model.get_submodule(path)).__name__}), which no module rule "
                     "completes: its output would be this rank's piece. Name that module in the "
                     "rules (a tied LM head: TransformerNames(head=...)), or keep the weight "
-                    f"whole with Rule({first[key]!r}, P()) before the preset's rules"
+                    f"whole with Rule({key!r}, P()) before the preset's rules"
                 )
 
 
