@@ -39,7 +39,7 @@ from ._launcher import (
     _supervise,
 )
 from ._nodes import Host
-from ._stream import RankOutput, Sink, describe_returncode, exit_code, last_lines
+from ._stream import RankOutput, Sink, describe_returncode, exit_code, still_running
 
 __all__ = ["LAUNCHERS", "NodeCommand", "NodeJob", "describe", "node_commands", "run_nodes"]
 
@@ -298,10 +298,9 @@ def run_nodes(
             return 128 + outcome.signum
         if outcome.timed_out and deadline is not None:
             for i in outcome.timed_out:
-                said = last_lines(outputs[i].output_tail(), 10)
-                what = f"its last {len(said)} line(s):" if said else "it wrote nothing"
                 head = f"{labels[i]} was still running at --timeout {deadline.seconds:g} s"
-                sink.message("\n".join([f"shardax launch: {head}; {what}", *said]))
+                lines = still_running(f"shardax launch: {head}", outputs[i].output_tail())
+                sink.message("\n".join(lines))
             return TIMEOUT_EXIT_CODE
         if not outcome.failures:
             return 0

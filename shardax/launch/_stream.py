@@ -33,6 +33,7 @@ __all__ = [
     "format_failure",
     "format_timeout",
     "last_lines",
+    "still_running",
 ]
 
 TRACEBACK_HEAD = "Traceback (most recent call last):"
@@ -398,6 +399,18 @@ def format_failure(
     return "\n".join(lines)
 
 
+def still_running(head: str, output: Sequence[tuple[str, str]]) -> list[str]:
+    """``head`` and the last lines of a process still running at
+    ``--timeout`` (its output tail, :meth:`RankOutput.output_tail`).
+
+    >>> still_running("rank 1: killed by SIGTERM", [("stdout", "waiting")])
+    ['rank 1: killed by SIGTERM; its last 1 line(s):', '  stdout| waiting']
+    """
+    said = last_lines(output, LINES_OF_A_RUNNING_RANK)
+    what = f"its last {len(said)} line(s):" if said else "it wrote nothing"
+    return [f"{head}; {what}", *said]
+
+
 def format_timeout(
     timeout: float,
     running: Sequence[int],
@@ -435,13 +448,6 @@ def format_timeout(
         if rank not in running:
             lines.append(f"  rank {rank}: {describe_returncode(code)}")
             continue
-        said = last_lines(outputs.get(rank, ()), LINES_OF_A_RUNNING_RANK)
-        how = describe_returncode(code)
-        lines.append(
-            f"  rank {rank}: {how}; its last {len(said)} line(s):"
-            if said
-            else f"  rank {rank}: {how}; it wrote nothing"
-        )
-        lines += said
+        lines += still_running(f"  rank {rank}: {describe_returncode(code)}", outputs.get(rank, ()))
     lines += [f"  command: {shlex.join(cmd)}", "=" * 72]
     return "\n".join(lines)
