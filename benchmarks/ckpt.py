@@ -232,22 +232,12 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def reset_peak_rss() -> bool:
-    """Reset this process's RSS high-water mark (Linux); whether it worked."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def measure(op: Callable[[], Pending | None]) -> dict[str, list[float]]:
     """Run ``op`` on every rank between two barriers; per rank: seconds to
     return, seconds to finish (an async op's wait included), RSS before and
     peak RSS during it (MiB)."""
     dist.barrier()
-    reset_peak_rss()
+    sx.monitor.reset_peak_memory()
     before = _status_kib("VmRSS") / 1024
     start = time.perf_counter()
     pending = op()
@@ -448,7 +438,7 @@ def offline_op(args: argparse.Namespace) -> int:
         def run() -> None:
             cli(["ckpt", *cmd, "-q"], standalone_mode=False)
 
-    reset_peak_rss()
+    sx.monitor.reset_peak_memory()
     before = _status_kib("VmRSS")
     started = time.perf_counter()
     run()

@@ -740,25 +740,6 @@ def rng_outcome(policy: str, index: Any, world: int) -> str:
 PHASES = ("init", "resume", "step", "save", "eval", "sample")
 
 
-def _high_water_mib() -> float | None:
-    """This process's peak resident memory since the last reset (``VmHWM``), in MiB."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def _reset_high_water() -> bool:
-    """Set the peak back to the current resident memory (Linux 4.0 and later)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 class PhasePeaks:
     """The peak resident memory (RSS) of each phase of the run, in MiB: the
     kernel's high-water mark (``VmHWM``) read when a phase ends and reset
@@ -770,16 +751,17 @@ class PhasePeaks:
     def __init__(self) -> None:
         self.peaks: dict[str, float] = {}
         self.current: str | None = None
-        self.works = _high_water_mib() is not None and _reset_high_water()
+        self.works = sx.monitor.reset_peak_memory()
 
     def enter(self, phase: str | None) -> None:
         """End the current phase (recording its peak) and start ``phase``."""
         if not self.works:
             return
-        if self.current is not None and (peak := _high_water_mib()) is not None:
+        if self.current is not None:
+            peak = sx.monitor.peak_memory()["peak_rss_mib"]
             self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), peak)
         self.current = phase
-        _reset_high_water()
+        sx.monitor.reset_peak_memory()
 
     def line(self, mesh: sx.Mesh) -> str | None:
         """Every rank's peaks gathered (collective): the highest of any rank

@@ -34,7 +34,13 @@ from .collectives._traffic import Traffic, traffic
 from .mesh import Mesh
 from .moe import _stats
 
-__all__ = ["Monitor", "comm_rows", "peak_memory", "transformer_flops_per_token"]
+__all__ = [
+    "Monitor",
+    "comm_rows",
+    "peak_memory",
+    "reset_peak_memory",
+    "transformer_flops_per_token",
+]
 
 WRITERS = ("stdout", "csv", "jsonl", "tensorboard")
 
@@ -75,6 +81,29 @@ def peak_memory() -> dict[str, float]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return out
+
+
+def reset_peak_memory() -> bool:
+    """Start the peaks :func:`peak_memory` reads again from the current
+    memory (Linux's ``/proc/self/clear_refs``; on a GPU, torch's peak
+    statistics too), so the next reading is the peak of what runs in
+    between; whether the resident peak could be reset (False where the
+    kernel has no such reset: :func:`peak_memory` then reads the peak of
+    the whole process).
+
+    >>> reset_peak_memory() in (True, False)
+    True
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class _Writer:

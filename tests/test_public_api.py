@@ -78,7 +78,13 @@ SURFACE = {
         "vocab_parallel_cross_entropy",
         "vocab_parallel_embedding",
     ],
-    "shardax.monitor": ["Monitor", "comm_rows", "peak_memory", "transformer_flops_per_token"],
+    "shardax.monitor": [
+        "Monitor",
+        "comm_rows",
+        "peak_memory",
+        "reset_peak_memory",
+        "transformer_flops_per_token",
+    ],
     "shardax.testing": ["Difference", "Parity", "ParityError", "check_parity"],
     "shardax.config": [
         "BatchConfig",
