@@ -22,6 +22,7 @@ from . import moe as moe
 from . import monitor as monitor
 from . import optim as optim
 from . import pipeline as pipeline
+from . import plan as plan
 from . import rules as rules
 from . import testing as testing
 from .errors import CheckpointError as CheckpointError
@@ -29,6 +30,7 @@ from .errors import CollectiveError as CollectiveError
 from .errors import CollectiveMismatchError as CollectiveMismatchError
 from .errors import CollectiveTimeoutError as CollectiveTimeoutError
 from .errors import ConfigError as ConfigError
+from .errors import PlanError as PlanError
 from .errors import LaunchError as LaunchError
 from .errors import MeshError as MeshError
 from .errors import ScheduleError as ScheduleError
@@ -95,6 +97,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Layout",
     "ConfigError",
+    "PlanError",
     "LaunchError",
     "Mesh",
     "MeshError",
@@ -129,6 +132,7 @@ __all__ = [
     "manual_seed",
     "optim",
     "pipeline",
+    "plan",
     "params_of",
     "plan_transfer",
     "recomputing",

@@ -20,6 +20,7 @@ from .config._cli import _config_cli
 from .errors import USER_ERRORS, debugging
 from .launch._cli import launch_command
 from .pipeline._cli import pipeline_command
+from .plan._cli import plan_command
 
 __all__ = ["main"]
 
@@ -62,6 +63,7 @@ main.add_command(launch_command, "launch")
 main.add_command(ckpt_command, "ckpt")
 main.add_command(_config_cli(), "config")
 main.add_command(pipeline_command, "pipeline")
+main.add_command(plan_command, "plan")
 
 
 @main.command("report")

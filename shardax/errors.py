@@ -23,6 +23,7 @@ __all__ = [
     "ConfigError",
     "LaunchError",
     "MeshError",
+    "PlanError",
     "ScheduleError",
     "ShardingError",
     "SplitTensorError",
@@ -120,9 +121,22 @@ class ConfigError(ValueError):
         self.key_path = key_path
 
 
+class PlanError(ValueError):
+    """A planner input that cannot be used as written: a cluster description
+    with a bad or unknown field (named with the value and what it takes), an
+    unknown preset (named with the presets), a dtype the cluster has no rate
+    for, or a probe of this machine that could not run (and why).
+    ``key_path`` is the field it is about (``"intra.bandwidth"``), where
+    known: a cluster file's error names its line by it."""
+
+    def __init__(self, message: str = "", key_path: str | None = None) -> None:
+        super().__init__(message)
+        self.key_path = key_path
+
+
 USER_ERRORS = (
     ShardingError, MeshError, CollectiveError, CheckpointError, LaunchError, ConfigError,
-    ScheduleError,
+    ScheduleError, PlanError,
 )  # fmt: skip
 """The typed errors that say what was wrong with a setting or an input (a
 command line shows their message, not a traceback)."""

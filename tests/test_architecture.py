@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rules", "optim", "data"),
     ("pipeline",),
     ("ckpt", "monitor", "report", "config", "testing"),
+    ("plan",),
     ("launch",),
     ("cli",),
     ("__init__", "__main__"),

@@ -1,0 +1,598 @@
+"""``Cluster``: the machines a plan runs on, as the planner reads them: how
+fast a device computes and moves memory, how much it holds, and the links
+within a node (``intra``) and between nodes (``inter``). From a preset
+(``PRESETS``), a file (hjson or JSON, sizes as numbers or with units:
+``"80 GiB"``, ``"600 GB/s"``, ``"312 TFLOP/s"``, ``"5 us"``), or measured
+on this host (:func:`this_machine`).
+
+>>> c = Cluster.load("a100-80gb").with_nodes(4)
+>>> c.world_size, c.flops("bf16") / 1e12, round(c.intra.time(1e9), 6)
+(32, 218.4, 0.004351)
+>>> Cluster.from_text(c.to_hjson()) == c
+True
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..config._hjson import _line_of, _plain, _unknown, parse
+from ..errors import ConfigError, PlanError
+
+__all__ = ["A100_ACHIEVABLE", "DTYPES", "HOPPER_ACHIEVABLE", "PRESETS", "Cluster", "Link",
+           "quantity", "this_machine"]  # fmt: skip
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16")  # the matmul dtypes a cluster may give a rate for
+
+_MiB, _GiB, _TiB = 2**20, 2**30, 2**40
+_PREFIXES = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}  # fmt: skip
+_BASES = {"B": ("B", 1), "B/s": ("B/s", 1), "b/s": ("B/s", 1 / 8), "FLOP/s": ("FLOP/s", 1),
+          "FLOPS": ("FLOP/s", 1)}  # fmt: skip
+_TIMES = {"s": 1, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # divisors
+_WORDS = {"B": "bytes, e.g. '80 GiB'", "B/s": "bytes/s, e.g. '600 GB/s'",
+          "FLOP/s": "FLOP/s, e.g. '312 TFLOP/s'", "s": "seconds, e.g. '5 us'",
+          "achievable": "the fraction of peak a large matmul reaches, e.g. 0.7",
+          "overlap": "the share of communication hidden behind compute, e.g. 1"}  # fmt: skip
+_NUMBER = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(\S*)\s*$")
+
+
+def quantity(value: Any, unit: str, name: str = "value") -> float:
+    """``value`` in ``unit`` (``"B"``, ``"B/s"``, ``"FLOP/s"``, ``"s"``): a number,
+    or text with a unit and a decimal (``k M G T P``) or binary (``Ki Mi Gi
+    Ti Pi``) prefix; ``b/s`` is bits/s (a network's line rate), ``FLOPS`` is
+    ``FLOP/s``, times in ``s ms us µs ns``. Else a PlanError naming ``name``.
+
+    >>> quantity("80 GiB", "B"), quantity("600 GB/s", "B/s"), quantity("200 Gb/s", "B/s")
+    (85899345920.0, 600000000000.0, 25000000000.0)
+    >>> quantity("312 TFLOP/s", "FLOP/s"), quantity("5 us", "s"), quantity(3, "s")
+    (312000000000000.0, 5e-06, 3.0)
+    >>> quantity("80 GB/s", "B", "device_memory")
+    Traceback (most recent call last):
+    ...
+    shardax.errors.PlanError: device_memory: cannot read '80 GB/s' as bytes, e.g. '80 GiB'
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = _NUMBER.match(value) if isinstance(value, str) else None
+    if m is not None and unit in ("B", "B/s", "FLOP/s", "s"):
+        number, text = float(m.group(1)), m.group(2)
+        if not text:
+            return number
+        if unit == "s" and text in _TIMES:
+            return number / _TIMES[text]
+        for prefix, factor in _PREFIXES.items():
+            base = _BASES.get(text[len(prefix) :]) if text.startswith(prefix) else None
+            if base is not None and base[0] == unit:
+                return number * factor * base[1]
+    words = _WORDS.get(unit) if unit else "a number"
+    raise PlanError(f"{name}: cannot read {value!r} as {words}", name)
+
+
+def _human(value: float, unit: str) -> str:
+    """``value`` in ``unit`` with a prefix, three significant digits (for comments)."""
+    if unit == "s":
+        text = next((t for t in ("s", "ms", "us") if value * _TIMES[t] >= 1), "ns")
+        return f"{value * _TIMES[text]:.3g} {text}"
+    steps = ("Ti", "Gi", "Mi", "Ki") if unit == "B" else ("P", "T", "G", "M", "k")
+    prefix = next((p for p in steps if value >= _PREFIXES[p]), "")
+    return f"{value / _PREFIXES[prefix]:.3g} {prefix}{unit}"
+
+
+def _number(name: str, unit: str, *, low: float = 0.0, closed: bool = False,
+            high: float | None = None, integer: bool = False) -> Any:  # fmt: skip
+    """A converter: ``value`` read by :func:`quantity` and checked to lie
+    above ``low`` (or at it, with ``closed``) and at most ``high``."""
+    where = (f"in {'[' if closed else '('}{low:g}, {high:g}]" if high is not None else
+             f">= {low:g}" if closed else "positive")  # fmt: skip
+    what = _WORDS.get(name) or _WORDS.get(unit) or "a whole number, e.g. 8"
+
+    def convert(value: Any) -> Any:
+        out = quantity(value, unit, name)
+        ok = math.isfinite(out) and (out >= low if closed else out > low)
+        whole = not integer or unit or out.is_integer()
+        if not ok or (high is not None and out > high) or not whole:
+            raise PlanError(f"{name} must be {where}: {what}; got {value!r}", name)
+        return round(out) if integer else out
+
+    return convert
+
+
+_COUNT = {"low": 1, "closed": True, "integer": True}
+_SHARE = {"closed": True, "high": 1.0}
+
+
+@attrs.frozen(kw_only=True)
+class Link:
+    """A link between ranks, as a ring collective sees it: ``bandwidth`` in
+    bytes/s per rank, one direction (NCCL's *bus bandwidth*, nccl-tests);
+    ``latency`` in seconds per message step (alpha). A ring all-reduce of
+    ``S`` bytes over ``n`` ranks: ``2(n-1)`` steps, ``2(n-1)/n * S`` bytes.
+
+    >>> Link(bandwidth="230 GB/s", latency="3.4 us")
+    Link(bandwidth=230000000000.0, latency=3.4e-06)
+    """
+
+    bandwidth: float = attrs.field(converter=_number("bandwidth", "B/s"))
+    latency: float = attrs.field(converter=_number("latency", "s", closed=True))
+
+    def time(self, nbytes: float, steps: int = 1) -> float:
+        """Seconds to move ``nbytes`` per rank in ``steps`` message steps:
+        ``steps * latency + nbytes / bandwidth``.
+
+        >>> n, link = 8, Link(bandwidth=230e9, latency=3.4e-6)
+        >>> round(link.time(2 * (n - 1) / n * 2**30, steps=2 * (n - 1)) * 1e3, 2)  # ms
+        8.22
+        """
+        return steps * self.latency + nbytes / self.bandwidth
+
+
+def _link(name: str) -> Any:
+    def convert(value: Any) -> Link:
+        if isinstance(value, Link):
+            return value
+        keys, mapping = ["bandwidth", "latency"], isinstance(value, Mapping)
+        extra = sorted(set(value) - set(keys)) if mapping else []
+        if extra:
+            raise PlanError(_unknown("", extra[0], f"{name}.", keys)[2:], f"{name}.{extra[0]}")
+        if not mapping or set(value) != set(keys):
+            example = "{bandwidth: '230 GB/s', latency: '3.4 us'}"
+            raise PlanError(f"{name} is a link, both keys given: {example}; got {value!r}", name)
+        try:
+            return Link(**value)
+        except PlanError as err:
+            raise PlanError(f"{name}.{err}", f"{name}.{err.key_path}") from None
+
+    return convert
+
+
+def _flops(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping) or not value:
+        example = f"peak_flops maps dtypes to FLOP/s, e.g. {{bf16: '312 TFLOP/s'}}; got {value!r}"
+        raise PlanError(example, "peak_flops")
+    for key in value:
+        if key not in DTYPES:
+            message = _unknown("", str(key), "peak_flops.", list(DTYPES))[2:]
+            raise PlanError(message, f"peak_flops.{key}")
+    return {k: _number(f"peak_flops.{k}", "FLOP/s")(value[k]) for k in DTYPES if k in value}
+
+
+@attrs.frozen(kw_only=True)
+class Cluster:
+    """``nodes`` nodes of ``devices_per_node`` devices, and what a device,
+    node and link can do; sizes are numbers or text with units (:func:`quantity`).
+
+    Attributes:
+        device_memory: bytes per device the job may use.
+        reserved_memory: bytes per device the runtime holds before any tensor
+            (CUDA context, NCCL buffers, allocator slack; on CPU: torch imported).
+        peak_flops: dense FLOP/s per device by dtype (some of ``DTYPES``).
+        achievable: the fraction of peak a large matmul reaches, in (0, 1].
+        memory_bandwidth: device memory bytes/s, reads and writes counted.
+        intra, inter: the :class:`Link` within a node, and between nodes.
+        host_bandwidth: device↔host bytes/s per device, one direction.
+        disk_bandwidth: bytes/s per node to local disk.
+        host_memory: bytes of host memory per node.
+        overlap: the share of communication that can run behind compute:
+            1 on GPUs (copy engines), 0 where the computing cores move it.
+
+    >>> Cluster.load("h100").with_nodes(2).world_size
+    16
+    >>> attrs.evolve(Cluster.load("h100"), achievable=1.5)
+    Traceback (most recent call last):
+    ...
+    shardax.errors.PlanError: achievable must be in (0, 1]: the fraction of peak a large matmul reaches, e.g. 0.7; got 1.5
+    """
+
+    name: str
+    nodes: int = attrs.field(default=1, converter=_number("nodes", "", **_COUNT))
+    devices_per_node: int = attrs.field(converter=_number("devices_per_node", "", **_COUNT))
+    device_memory: int = attrs.field(converter=_number("device_memory", "B", integer=True))
+    reserved_memory: int = attrs.field(
+        default=0, converter=_number("reserved_memory", "B", closed=True, integer=True)
+    )
+    peak_flops: dict[str, float] = attrs.field(converter=_flops, hash=False)
+    achievable: float = attrs.field(converter=_number("achievable", "", high=1.0))
+    memory_bandwidth: float = attrs.field(converter=_number("memory_bandwidth", "B/s"))
+    intra: Link = attrs.field(converter=_link("intra"))
+    inter: Link = attrs.field(converter=_link("inter"))
+    host_bandwidth: float = attrs.field(converter=_number("host_bandwidth", "B/s"))
+    disk_bandwidth: float = attrs.field(converter=_number("disk_bandwidth", "B/s"))
+    host_memory: int = attrs.field(converter=_number("host_memory", "B", integer=True))
+    overlap: float = attrs.field(default=1.0, converter=_number("overlap", "", **_SHARE))
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise PlanError(f"name is a non-empty text, e.g. 'a100'; got {self.name!r}", "name")
+        if self.reserved_memory >= self.device_memory:
+            raise PlanError(
+                f"reserved_memory ({_human(self.reserved_memory, 'B')}) must be less than "
+                f"device_memory ({_human(self.device_memory, 'B')}): nothing would be left for "
+                "tensors; lower reserved_memory or raise device_memory",
+                "reserved_memory",
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Devices in all: ``nodes * devices_per_node``."""
+        return self.nodes * self.devices_per_node
+
+    def flops(self, dtype: str, *, tf32: bool = True) -> float:
+        """The FLOP/s a large matmul in ``dtype`` reaches on one device:
+        ``peak_flops[dtype] * achievable``. ``fp32`` takes the ``tf32`` rate
+        where there is one (``torch.set_float32_matmul_precision("high")``,
+        as Megatron-LM sets); ``tf32=False`` for strict fp32, torch's default.
+
+        >>> a100 = Cluster.load("a100-80gb")
+        >>> a100.flops("fp32") / 1e12, a100.flops("fp32", tf32=False) / 1e12
+        (109.2, 13.65)
+        >>> a100.flops("fp8")
+        Traceback (most recent call last):
+        ...
+        shardax.errors.PlanError: a100-80gb has no matmul rate for 'fp8'; it knows fp32, tf32, bf16, fp16
+        """
+        key = "tf32" if dtype == "fp32" and tf32 and "tf32" in self.peak_flops else dtype
+        if key not in self.peak_flops:
+            close = difflib.get_close_matches(str(dtype), list(self.peak_flops), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PlanError(
+                f"{self.name} has no matmul rate for {dtype!r}{hint}; it knows "
+                f"{', '.join(self.peak_flops)}"
+            )
+        return self.peak_flops[key] * self.achievable
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        """This cluster with ``nodes`` nodes (``attrs.evolve`` does the same).
+
+        >>> Cluster.load("h200").with_nodes(16).world_size
+        128
+        """
+        return attrs.evolve(self, nodes=nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As plain data, every field named (what :meth:`from_dict` reads).
+
+        >>> Cluster.load("h100").to_dict()["intra"]
+        {'bandwidth': 360000000000.0, 'latency': 3.4e-06}
+        """
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "cluster") -> Cluster:
+        """Build from parsed hjson/JSON; an unknown or missing key is an error.
+
+        >>> Cluster.from_dict({**Cluster.load("h100").to_dict(), "node": 2})
+        Traceback (most recent call last):
+        ...
+        shardax.errors.PlanError: cluster: unknown key node (did you mean 'nodes'?); the top level takes name, nodes, devices_per_node, device_memory, reserved_memory, peak_flops, achievable, memory_bandwidth, intra, inter, host_bandwidth, disk_bandwidth, host_memory, overlap
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{source}: a cluster is an object of fields; got {data!r}")
+        fields = attrs.fields(cls)
+        for key in set(data) - set(attrs.fields_dict(cls)):
+            raise PlanError(_unknown(source, str(key), "", [f.name for f in fields]), key)
+        needed = [f.name for f in fields if f.default is attrs.NOTHING]
+        missing = [name for name in needed if name not in data]
+        if missing:
+            raise PlanError(
+                f"{source}: missing {', '.join(missing)}; a cluster needs {', '.join(needed)}",
+                missing[0],
+            )
+        try:
+            return cls(**data)
+        except PlanError as err:
+            raise PlanError(f"{source}: {err}", err.key_path) from None
+
+    @classmethod
+    def from_text(cls, text: str, source: str = "cluster") -> Cluster:
+        """Parse hjson (or JSON) text; an error names the line of the key.
+
+        >>> text = Cluster.load("h100").to_hjson().replace("achievable: 0.7", "achievable: 0")
+        >>> Cluster.from_text(text, "h100.hjson")
+        Traceback (most recent call last):
+        ...
+        shardax.errors.PlanError: h100.hjson:13: achievable must be in (0, 1]: the fraction of peak a large matmul reaches, e.g. 0.7; got 0
+        """
+        try:
+            data = parse(text, source, unreadable="not valid hjson", twice="keep one")
+        except ConfigError as err:
+            raise PlanError(str(err)) from None
+        try:
+            return cls.from_dict(_plain(data), source)
+        except PlanError as err:
+            path = err.key_path
+            line = _line_of(text, tuple(path.split("."))) if path else None
+            if line is None or not str(err).startswith(f"{source}: "):
+                raise
+            message = str(err).replace(f"{source}: ", f"{source}:{line}: ", 1)
+            raise PlanError(message, path) from None
+
+    def to_hjson(self) -> str:
+        """hjson text that :meth:`from_text` reads back to this value (exact
+        numbers, each size also in words, as a comment).
+
+        >>> print(Cluster.load("h100").to_hjson().splitlines()[4])
+          device_memory: 85520809984  // 79.6 GiB
+        """
+        units = {"device_memory": "B", "reserved_memory": "B", "host_memory": "B",
+                 "memory_bandwidth": "B/s", "host_bandwidth": "B/s", "disk_bandwidth": "B/s",
+                 "bandwidth": "B/s", "latency": "s", "peak_flops": "FLOP/s"}  # fmt: skip
+
+        def lines(data: Mapping[str, Any], indent: str, unit: str | None) -> list[str]:
+            out = []
+            for key, value in data.items():
+                if isinstance(value, Mapping):
+                    inner = lines(value, indent + "  ", units.get(key))
+                    out += [f"{indent}{key}: {{", *inner, f"{indent}}}"]
+                    continue
+                text = json.dumps(value) if isinstance(value, str) else repr(value)
+                u = unit or units.get(key)
+                out.append(f"{indent}{key}: {text}" + (f"  // {_human(value, u)}" if u else ""))
+            return out
+
+        return "\n".join(["{", *lines(self.to_dict(), "  ", None), "}"]) + "\n"
+
+    @classmethod
+    def load(cls, spec: str) -> Cluster:
+        """A preset's name (``PRESETS``), ``"this-machine"`` (measured now,
+        :func:`this_machine`; ``"this-machine:4"`` for 4 ranks), or the path
+        of an ``.hjson``/``.json`` file.
+
+        >>> Cluster.load("a100-40gb")
+        Traceback (most recent call last):
+        ...
+        shardax.errors.PlanError: unknown cluster 'a100-40gb' (did you mean 'a100-80gb'?): give a preset (a100-80gb, h100, h200), 'this-machine' or 'this-machine:RANKS' (measured now), or the path of an .hjson/.json file
+        """
+        if spec in PRESETS:
+            return PRESETS[spec]
+        if spec == "this-machine" or spec.startswith("this-machine:"):
+            ranks = spec.partition(":")[2] or "2"
+            if not ranks.isdigit() or int(ranks) < 1:
+                raise PlanError(f"{spec!r}: give ranks as a whole number, e.g. 'this-machine:4'")
+            return this_machine(int(ranks))
+        path = Path(spec)
+        if path.suffix in (".hjson", ".json") or path.exists():
+            try:
+                text = path.read_text()
+            except OSError as err:
+                raise PlanError(f"cannot read cluster file {spec}: {err.strerror}") from None
+            return cls.from_text(text, spec)
+        close = difflib.get_close_matches(spec, [*PRESETS, "this-machine"], n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PlanError(
+            f"unknown cluster {spec!r}{hint}: give a preset ({', '.join(PRESETS)}), "
+            "'this-machine' or 'this-machine:RANKS' (measured now), or the path of an "
+            ".hjson/.json file"
+        )
+
+
+A100_ACHIEVABLE = 0.7
+"""The fraction of peak a large A100 matmul reaches: a placeholder, to be calibrated
+against the model FLOP utilization in Narayanan et al., "Efficient Large-Scale Language
+Model Training on GPU Clusters Using Megatron-LM" (SC'21)."""
+HOPPER_ACHIEVABLE = 0.7
+"""The same for H100 and H200: a placeholder, not yet calibrated."""
+
+
+def _dgx(name: str, mib: int, hbm: float, nvlink: float, nic: float, pcie: float, disk: float,
+         flops: dict[str, float], achievable: float) -> Cluster:  # fmt: skip
+    """A DGX node: 8 GPUs of ``mib`` MiB at ``hbm`` B/s, bus bandwidths per GPU
+    ``nvlink`` and ``nic``; 2 TiB of host memory (DGX datasheets: 2 TB), 2 GiB
+    reserved per GPU (an estimate: CUDA context ~0.5 GiB, NCCL buffers, allocator
+    slack); per-step latencies from NCCL's tuning model (``src/graph/tuning.cc``,
+    ring/Simple ``hwLat``: 3.4 us NVLink, 9.6 us network; plus 8.4 us a collective)."""
+    return Cluster(
+        name=name, devices_per_node=8, device_memory=mib * _MiB, reserved_memory=2 * _GiB,
+        peak_flops=flops, achievable=achievable, memory_bandwidth=hbm,
+        intra=Link(bandwidth=nvlink, latency=3.4e-6), inter=Link(bandwidth=nic, latency=9.6e-6),
+        host_bandwidth=pcie, disk_bandwidth=disk, host_memory=2 * _TiB,
+    )  # fmt: skip
+
+
+# NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB), DGX A100 datasheet: 81920 MiB as nvidia-smi
+# reports (= 80 GiB, "80GB"); dense 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16; HBM2e 2039
+# GB/s. NVLink3 600 GB/s both ways: NCCL's all-reduce bus bandwidth ~230 GB/s (tuning.cc caps
+# sm80 at 235). 8 HDR InfiniBand NICs of 200 Gb/s (25 GB/s), one per GPU, ~92% reached. PCIe
+# Gen4 x16: 32 GB/s a way, ~25 reached. Disk: a guess for its NVMe RAID-0.
+_AMPERE = {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
+_A100 = _dgx("a100-80gb", 81920, 2.039e12, 230e9, 23e9, 25e9, 2e9, _AMPERE, A100_ACHIEVABLE)
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5), DGX H100 datasheet: 81559 MiB as nvidia-smi
+# reports ("80GB"); dense 67 TF fp32, 494.5 TF tf32, 989.5 TF bf16/fp16 (the datasheet's tensor
+# figures are with sparsity: twice these); HBM3 3.35 TB/s. NVLink4 900 GB/s both ways: ~360
+# GB/s all-reduce bus bandwidth (nccl-tests, no NVLink SHARP). 8 NDR InfiniBand NICs of 400
+# Gb/s (50 GB/s), one per GPU, ~90% reached. PCIe Gen5 x16: 64 GB/s a way, ~50 reached. Disk:
+# a guess (twice the A100 node's NVMe drives).
+_HOPPER = {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12}
+_H100 = _dgx("h100", 81559, 3.35e12, 360e9, 45e9, 50e9, 4e9, _HOPPER, HOPPER_ACHIEVABLE)
+# NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100 node with 143771 MiB of HBM3e as
+# nvidia-smi reports ("141GB") at 4.8 TB/s.
+_H200 = _dgx("h200", 143771, 4.8e12, 360e9, 45e9, 50e9, 4e9, _HOPPER, HOPPER_ACHIEVABLE)
+
+PRESETS: dict[str, Cluster] = {c.name: c for c in (_A100, _H100, _H200)}
+"""Named clusters of one node (:meth:`Cluster.with_nodes` for more). GPU memory is
+the total nvidia-smi reports (NVIDIA's "GB" of HBM is close to GiB); rates are
+decimal (a datasheet's TB/s is 1e12 B/s)."""
+
+_PROBE_TIMEOUT = 180.0  # seconds for the ranks (a first run may build the shm core)
+_MARK = "shardax-probe-result:"
+
+
+def this_machine(ranks: int = 2, *, quick: bool = False) -> Cluster:
+    """This CPU host measured now, in seconds (``quick``: fewer samples,
+    noisier): ``ranks`` processes on one node (``ranks=1``: an idle second
+    joins for the links), ``cpu_count // ranks`` torch threads each, all
+    measuring at once; a PlanError says why they could not run.
+
+    - ``peak_flops``: the slowest rank's best n×n ``torch.mm`` (n = 1024,
+      512 if ``quick``) in fp32, and bf16 where it reaches half of that
+      (else left out: train in fp32 here). ``achievable``: 1.
+    - ``memory_bandwidth``: a 64 MiB tensor copy, reads and writes counted
+      (as GPU memory bandwidth is quoted); ``host_bandwidth``: it counted once.
+    - ``intra``: psums of 64 KiB and 16 MiB on the backend a run here gets
+      (``SHARDAX_BACKEND``, else ``shm``, else gloo; signature checks as in
+      a run), the slowest rank's best times fitted to ``2(n-1) * latency +
+      2(n-1)/n * bytes / bandwidth``; ``inter``: the same on gloo over
+      loopback, a stand-in for a network.
+    - ``reserved_memory``: VmRSS of a fresh rank with torch and shardax
+      imported. ``disk_bandwidth``: writing and fsyncing 64 MiB (16 if
+      ``quick``) in ``TMPDIR``. ``host_memory``: MemTotal (or the cgroup's
+      limit, if lower), ``device_memory`` its share per rank. ``overlap``:
+      0, the cores that compute also move the bytes.
+
+    >>> this_machine  # measured, so no output to show  # doctest: +ELLIPSIS
+    <function this_machine at ...>
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise PlanError(f"ranks is a whole number >= 1, e.g. 2; got {ranks!r}", "ranks")
+    host, procs = _host_memory(), max(ranks, 2)
+    root = str(Path(__file__).resolve().parents[2])  # importable as here, installed or not
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    code = "import torch, shardax; from shardax.plan._cluster import _rank_main; _rank_main()"
+    with tempfile.TemporaryDirectory(prefix="shardax-probe-") as tmp:
+        children = []
+        for rank in range(procs):
+            argv = [sys.executable, "-c", code, *map(str, (rank, procs, ranks, int(quick))), tmp]
+            with open(os.path.join(tmp, f"rank{rank}.log"), "w") as log:
+                children.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log))
+        try:
+            block, path = os.urandom(4 * _MiB), os.path.join(tmp, "disk-probe")
+            start = time.perf_counter()
+            with open(path, "wb", buffering=0) as f:  # while the ranks start
+                for _ in range(4 if quick else 16):
+                    f.write(block)
+                os.fsync(f.fileno())
+            disk = os.path.getsize(path) / (time.perf_counter() - start)
+            got = _collect(children, tmp)
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+    flops = {k: got[k] for k in ("fp32", "bf16") if got[k] >= got["fp32"] / 2}
+    return Cluster(
+        name="this-machine", devices_per_node=ranks, device_memory=host // ranks,
+        reserved_memory=got["rss"], peak_flops=flops, achievable=1.0,
+        memory_bandwidth=2 * got["copy"], intra=Link(**got["intra"]), inter=Link(**got["inter"]),
+        host_bandwidth=got["copy"], disk_bandwidth=disk, host_memory=host, overlap=0.0,
+    )  # fmt: skip
+
+
+def _host_memory() -> int:
+    """MemTotal, or the cgroup's memory limit where that is lower."""
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(row.split()[1]) * 1024 for row in f if row.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        raise PlanError("cannot read MemTotal in /proc/meminfo: this_machine needs Linux") from None
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = Path(limit).read_text().strip() if os.path.exists(limit) else ""
+        total = min(total, int(text)) if text.isdigit() else total
+    return total
+
+
+def _collect(children: list[Any], tmp: str) -> dict[str, Any]:
+    """Rank 0's results once all ranks are done, or a PlanError with a failed rank's output."""
+    deadline = time.monotonic() + _PROBE_TIMEOUT
+    while time.monotonic() < deadline and any(c.poll() is None for c in children):
+        if any(c.poll() for c in children):  # one failed: the others would wait for it
+            break
+        time.sleep(0.01)
+    logs = [Path(tmp, f"rank{rank}.log").read_text() for rank in range(len(children))]
+    for rank, child in sorted(enumerate(children), key=lambda rc: rc[1].poll() in (0, None)):
+        if child.poll() != 0:
+            code = child.poll()
+            why = f"did not finish in {_PROBE_TIMEOUT:g} s" if code is None else f"exited {code}"
+            tail = "\n".join(logs[rank].rstrip().splitlines()[-15:])
+            raise PlanError(f"measuring this machine: probe rank {rank} {why}; it wrote:\n{tail}")
+    return json.loads(logs[0].split(_MARK)[-1].splitlines()[0])
+
+
+def _rank_main() -> None:
+    """One probe rank of :func:`this_machine` (argv: rank, processes, computing
+    ranks, quick, folder); rank 0 prints what they measured, as JSON."""
+    with open("/proc/self/status") as f:
+        rss = next((int(row.split()[1]) * 1024 for row in f if row.startswith("VmRSS:")), 0)
+    rank, procs, ranks, quick = (int(a) for a in sys.argv[1:5])
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from ..collectives import barrier, psum
+    from ..collectives._backend import comm_of
+    from ..mesh import Mesh, shutdown
+
+    def reduce(values: list[float], op: Any) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=op)
+        return tensor.tolist()
+
+    def best(fn: Any, reps: int) -> float:
+        fn()  # warm up
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // ranks))
+    store, timeout = dist.FileStore(os.path.join(sys.argv[5], "store"), procs), timedelta(60)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=procs, timeout=timeout)
+    meshes = {"intra": Mesh({"x": procs}, timeout=60.0)}
+    os.environ["SHARDAX_BACKEND"] = "torch"  # a second group (another timeout), on gloo
+    meshes["inter"] = Mesh({"x": procs}, timeout=61.0)
+    if comm_of(meshes["inter"].group("x")).backend.name != "torch":
+        raise RuntimeError("the second mesh did not get a gloo group of its own")
+    rates = [math.inf] * 3  # fp32, bf16, copy: only the computing ranks measure
+    barrier(mesh=meshes["intra"])
+    if rank < ranks:
+        n, reps = (512, 2) if quick else (1024, 3)
+        for i, dtype in enumerate((torch.float32, torch.bfloat16)):
+            a = torch.randn(n, n).to(dtype)
+            try:
+                rates[i] = 2 * n**3 / best(lambda a=a: torch.mm(a, a), reps)
+            except RuntimeError:  # no bf16 matmul on this CPU
+                rates[i] = 0.0
+        src, dst = torch.ones(16 * _MiB), torch.empty(16 * _MiB)  # 64 MiB each
+        rates[2] = 64 * _MiB / best(lambda: dst.copy_(src), reps + 1)
+        del src, dst
+    out = dict(zip(("fp32", "bf16", "copy"), reduce(rates, dist.ReduceOp.MIN), strict=True))
+    out["rss"] = int(reduce([rss], dist.ReduceOp.MAX)[0])
+    share, steps = 2 * (procs - 1) / procs, 2 * (procs - 1)
+    for which, mesh in meshes.items():
+        fit = []  # (bytes, seconds) for 64 KiB and 16 MiB
+        for numel, calls in ((16 * 1024, 10), (4 * _MiB, 2)):
+            x = torch.zeros(numel)
+            psum(x, "x", mesh=mesh, out=x)  # warm up
+            times = []
+            for _ in range(3 if quick else 7):
+                barrier(mesh=mesh)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    psum(x, "x", mesh=mesh, out=x)
+                times.append((time.perf_counter() - start) / calls)
+            fit.append((numel * 4, min(reduce(times, dist.ReduceOp.MAX))))
+        (small, t_small), (large, t_large) = fit
+        per_byte = (t_large - t_small) / (share * (large - small))
+        per_byte = per_byte if per_byte > 0 else t_large / (share * large)  # noise won
+        latency = max(0.0, t_small - share * small * per_byte) / steps
+        out[which] = {"bandwidth": 1 / per_byte, "latency": latency}
+    shutdown()
+    if rank == 0:
+        print(_MARK + json.dumps(out), flush=True)

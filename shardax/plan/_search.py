@@ -1,0 +1,313 @@
+"""``search``: every layout of a search space predicted, those that fit
+ranked by tokens/s.
+
+Two passes keep it fast on large clusters: every candidate is first
+estimated with the ZeRO arithmetic for its state and closed forms for the
+pipeline bubble; the fastest of those that nearly fit are then estimated
+exactly — the state by :func:`shardax.explain` of the rank's stages (cached
+per sharding), the bubble by simulating the schedule (cached per shape).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+from torch import nn
+
+from ..config import RunConfig
+from ..errors import ConfigError, PlanError
+from ._cluster import Cluster
+from ._cost import Estimate, predict, state_bytes
+from ._model import ModelShape
+from ._table import layout_name, render
+
+__all__ = ["Ranking", "Space", "search"]
+
+SCREEN_MARGIN = 1.15  # the arithmetic may miss a rank's share of uneven splits
+
+
+def _ints(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(v) for v in value)
+
+
+@attrs.frozen(kw_only=True)
+class Space:
+    """The layouts :func:`search` tries. ``None`` picks for the model and
+    cluster: ``tp`` powers of two within a node dividing the heads; ``pp``
+    divisors of the blocks up to 64; ``micro`` (sequences per micro-batch)
+    powers of two up to 16.
+
+    >>> Space(zero=(3,), remat=(None,))
+    Space(tp=None, pp=None, sp=(1,), zero=(3,), micro=None, schedules=('1f1b', 'interleaved_1f1b', 'zbv'), remat=(None,), sequence_parallel=(False, True), offload_opt=(None,))
+    """
+
+    tp: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
+    pp: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
+    sp: tuple[int, ...] = attrs.field(default=(1,), converter=_ints)
+    zero: tuple[int, ...] = attrs.field(default=(0, 1, 2, 3), converter=_ints)
+    micro: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
+    schedules: tuple[str, ...] = attrs.field(
+        default=("1f1b", "interleaved_1f1b", "zbv"), converter=tuple
+    )
+    remat: tuple[str | None, ...] = attrs.field(default=(None, "save_nothing"), converter=tuple)
+    sequence_parallel: tuple[bool, ...] = attrs.field(default=(False, True), converter=tuple)
+    offload_opt: tuple[str | None, ...] = attrs.field(default=(None,), converter=tuple)
+
+
+@attrs.frozen
+class Ranking:
+    """The plans that fit, fastest first (``plans``), how many layouts were
+    tried and why the others were left out. ``str()`` is the table
+    ``shardax plan`` prints; :meth:`why` explains one plan; :meth:`config`
+    is its run config."""
+
+    plans: tuple[Estimate, ...]
+    tried: int
+    left_out: dict[str, int]
+    budget: float
+
+    @property
+    def best(self) -> Estimate:
+        return self.plans[0]
+
+    def config(self, i: int = 0) -> RunConfig:
+        return self.plans[i].config
+
+    def config_text(self, i: int = 0) -> str:
+        """The run config of plan ``i`` as hjson, for ``examples/train_gpt.py
+        --config`` and ``shardax config check``."""
+        import hjson
+
+        est = self.plans[i]
+        head = (
+            f"// shardax plan: {layout_name(est)}\n"
+            f"// predicted {est.tokens_per_s:,.0f} tokens/s, {est.step_time:.3g} s/step, "
+            f"{est.peak_memory / 2**30:.1f} GiB peak per rank on {est.world_size} devices\n"
+        )
+        return head + hjson.dumps(est.config.to_dict(), indent=2) + "\n"
+
+    def why(self, i: int = 0) -> str:
+        """Every part of plan ``i``'s time and memory, and what it assumed."""
+        est = self.plans[i]
+        lines = [f"{layout_name(est)}: {est.step_time:.4g} s per step"]
+        lines += [f"  time {k}: {v:.4g} s" for k, v in est.time.items() if v]
+        lines += [f"  memory {k}: {v / 2**30:.3f} GiB" for k, v in est.memory.items() if v]
+        lines += [f"  off the device {k}: {v / 2**30:.3f} GiB" for k, v in est.offloaded.items()]
+        lines += [f"  {note}" for note in est.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        out = render(self.plans)
+        left = ", ".join(f"{n} {why}" for why, n in sorted(self.left_out.items()))
+        return out + f"\n{self.tried} layouts tried" + (f"; left out: {left}" if left else "")
+
+
+def search(
+    model: nn.Module | None,
+    cluster: Cluster,
+    *,
+    batch: int,
+    seq: int,
+    world_size: int | None = None,
+    space: Space | None = None,
+    precision: str = "bf16",
+    optimizer: str = "adamw",
+    memory: float | None = None,
+    attention: str = "flash",
+    top: int = 10,
+    shape: ModelShape | None = None,
+) -> Ranking:
+    """Search ``space`` for the fastest layouts of ``model`` (on ``meta``)
+    training ``batch`` sequences of ``seq`` tokens per step on
+    ``world_size`` devices of ``cluster`` (default: all), each within
+    ``memory`` bytes per device (default: the cluster's device memory).
+
+    A plan that cannot fit is a :class:`~shardax.errors.PlanError` naming
+    the least memory any layout needs and what would make it fit.
+
+    >>> import torch, shardax as sx
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> with torch.device("meta"):
+    ...     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=512, n_head=8))
+    >>> ranking = sx.plan.search(gpt2, sx.plan.Cluster.load("a100-80gb"), batch=64, seq=1024)
+    >>> ranking.best.world_size, ranking.tried > 100
+    (8, True)
+    """
+    world = world_size or cluster.world_size
+    shape = shape or (ModelShape.of(model) if model is not None else None)
+    if shape is None:
+        raise PlanError("search needs the model (on meta) or its ModelShape (shape=...)")
+    space = space or Space()
+    budget = float(memory if memory is not None else cluster.device_memory)
+    left: dict[str, int] = {}
+    screened: list[tuple[float, RunConfig]] = []
+    smallest: tuple[float, Estimate] | None = None
+    tried = 0
+    for config in _candidates(space, shape, cluster, world, batch, precision, optimizer, left):
+        tried += 1
+        try:
+            est = predict(config, None, cluster, seq=seq, world_size=world, shape=shape,
+                          attention=attention, state=state_bytes(config, None, world, shape),
+                          exact=False)  # fmt: skip
+        except PlanError as err:
+            _count(left, "refused by the pipeline schedule" if "pipeline" in str(err)
+                   else "heads or blocks do not split")  # fmt: skip
+            continue
+        if smallest is None or est.peak_memory < smallest[0]:
+            smallest = (est.peak_memory, est)
+        if est.peak_memory > budget * SCREEN_MARGIN:
+            _count(left, "over the memory")
+            continue
+        screened.append((est.step_time, config))
+    if tried == 0:
+        raise PlanError(f"no layout of the space fits {world} devices and batch {batch}: {left}")
+    screened.sort(key=lambda item: item[0])
+    plans = _refine(screened, model, cluster, world, seq, shape, attention, budget, top, left)
+    if not plans:
+        raise _no_fit(smallest, budget, world, model, cluster, seq, shape, attention)
+    return Ranking(tuple(plans), tried, left, budget)
+
+
+def _count(left: dict[str, int], why: str) -> None:
+    left[why] = left.get(why, 0) + 1
+
+
+def _refine(
+    screened: list[tuple[float, RunConfig]],
+    model: nn.Module | None,
+    cluster: Cluster,
+    world: int,
+    seq: int,
+    shape: ModelShape,
+    attention: str,
+    budget: float,
+    top: int,
+    left: dict[str, int],
+) -> list[Estimate]:
+    """Exact estimates of the screened layouts, fastest first, until ``top``
+    fit (and a few more: the exact order may differ from the screen's)."""
+    states: dict[Any, dict[str, float]] = {}
+    plans: list[Estimate] = []
+    for _, config in screened[: max(4 * top, 40)]:
+        key = _state_key(config, world)
+        if key not in states:
+            states[key] = state_bytes(config, model, world, shape)
+        est = predict(config, model, cluster, seq=seq, world_size=world, shape=shape,
+                      attention=attention, state=states[key])  # fmt: skip
+        if est.peak_memory > budget:
+            _count(left, "over the memory")
+            continue
+        plans.append(est)
+    plans.sort(key=lambda e: e.step_time)
+    return plans[:top]
+
+
+def _state_key(config: RunConfig, world: int) -> Any:
+    p, m = config.parallel, config.memory
+    mesh = config.abstract_mesh(world)
+    return (tuple(mesh.axis_sizes), tuple(mesh.axis_names), p.zero, p.tp, p.sp, p.pp,
+            p.sequence_parallel, m.offload_opt, m.offload_params, m.offload_grads)  # fmt: skip
+
+
+def _no_fit(
+    smallest: tuple[float, Estimate] | None,
+    budget: float,
+    world: int,
+    model: nn.Module | None,
+    cluster: Cluster,
+    seq: int,
+    shape: ModelShape,
+    attention: str,
+) -> PlanError:
+    if smallest is None:
+        return PlanError(f"no layout could be estimated on {world} devices")
+    est = smallest[1]
+    need = est.peak_memory
+    return PlanError(
+        f"no layout fits {budget / 2**30:.1f} GiB per device on {world} devices: the smallest, "
+        f"{layout_name(est)}, needs {need / 2**30:.1f} GiB per device "
+        f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in est.memory.items() if v)} GiB). "
+        f"To fit: about {math.ceil(world * need / budget)} devices, devices with "
+        f"{need / 2**30:.0f} GiB, offloading the optimizer state (offload_opt), or a shorter "
+        "sequence or smaller micro-batch"
+    )
+
+
+def _powers(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
+
+
+def _candidates(
+    space: Space,
+    shape: ModelShape,
+    cluster: Cluster,
+    world: int,
+    batch: int,
+    precision: str,
+    optimizer: str,
+    left: dict[str, int],
+) -> Iterator[RunConfig]:
+    tps = space.tp or [t for t in _powers(cluster.devices_per_node) if shape.heads % t == 0]
+    pps = space.pp or [p for p in range(1, min(64, shape.layers) + 1) if shape.layers % p == 0]
+    micros = space.micro or _powers(16)
+    for t in tps:
+        for p in pps:
+            for sp in space.sp:
+                if world % (t * p * sp):
+                    continue
+                dp = world // (t * p * sp)
+                if batch % dp:
+                    _count(left, "batch not divisible by the data ranks")
+                    continue
+                per_rank = batch // dp
+                for b in micros:
+                    if per_rank % b:
+                        continue
+                    yield from _variants(space, t, p, sp, dp, b, per_rank, precision, optimizer,
+                                         left)  # fmt: skip
+
+
+def _variants(
+    space: Space,
+    t: int,
+    p: int,
+    sp: int,
+    dp: int,
+    b: int,
+    per_rank: int,
+    precision: str,
+    optimizer: str,
+    left: dict[str, int],
+) -> Iterator[RunConfig]:
+    m = per_rank // b
+    mesh = {"pp": p, "dp": dp, "sp": sp, "tp": t}
+    mesh = {k: v for k, v in mesh.items() if v > 1 or k == "dp"}
+    schedules = space.schedules if p > 1 else ("1f1b",)
+    for zero in space.zero:
+        for remat in space.remat:
+            for seq_par in space.sequence_parallel if t > 1 else (False,):
+                for schedule in schedules:
+                    for offload in space.offload_opt:
+                        parallel: dict[str, Any] = {"zero": zero}
+                        if t > 1:
+                            parallel.update(tp="tp", sequence_parallel=seq_par)
+                        if sp > 1:
+                            parallel["sp"] = "sp"
+                        if p > 1:
+                            parallel.update(pp="pp", pp_schedule=schedule, pp_micro_batches=m)
+                            batch = {"global": per_rank * dp, "micro": per_rank}
+                        else:
+                            batch = {"global": per_rank * dp, "micro": b}
+                        data = {
+                            "mesh": mesh, "parallel": parallel, "batch": batch,
+                            "precision": {"params": precision},
+                            "optimizer": {"type": optimizer},
+                            "memory": {"remat": remat, "offload_opt": offload},
+                        }  # fmt: skip
+                        try:
+                            yield RunConfig.from_dict(data)
+                        except ConfigError:
+                            _count(left, "refused by the run config")

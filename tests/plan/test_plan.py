@@ -1,0 +1,231 @@
+"""The planner: a model's shape and FLOPs read off its modules, the cost
+model's parts, the search, its errors and its command — and the check
+against published runs (Narayanan et al. 2021, Table 1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import shardax as sx
+from shardax.cli import main
+from shardax.config import RunConfig
+from shardax.errors import PlanError
+from shardax.pipeline import schedule, simulate
+from shardax.plan._pipe import pipeline_time
+from shardax.plan._table import layout_name
+
+
+def _gpt2(layers: int, width: int, heads: int, vocab: int = 51200, seq: int = 2048):
+    with torch.device("meta"):
+        return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=heads,
+                                          vocab_size=vocab, n_positions=seq))  # fmt: skip
+
+
+# -- the model's shape -----------------------------------------------------------------
+
+
+def test_flops_of_a_gpt_are_megatrons_formula():
+    """Counted from the weights, a GPT's FLOPs per step with recomputation
+    are Narayanan et al.'s equation (3): 96·B·s·l·h²·(1 + s/6h + V/16lh)."""
+    B, s, l, h, V = 8, 2048, 4, 256, 51200  # noqa: E741
+    shape = sx.plan.ModelShape.of(_gpt2(l, h, 4, V, s))
+    paper = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert B * s * shape.flops_per_token(s, remat=True) == pytest.approx(paper, rel=1e-12)
+    assert shape.flops_per_token(s) == pytest.approx(
+        (72 * l * h**2 * (1 + s / (6 * h)) + 6 * V * h), rel=1e-12
+    )
+
+
+def test_llama_shape_reads_grouped_query_attention():
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)  # fmt: skip
+    with torch.device("meta"):
+        shape = sx.plan.ModelShape.of(LlamaForCausalLM(cfg))
+    h, kv = 256, 2 * 32
+    assert (shape.layers, shape.heads, shape.kv_heads, shape.head_dim) == (3, 8, 2, 32)
+    assert shape.block_matmul == h * h + 2 * h * kv + h * h + 3 * h * 688  # q, k, v, o, MLP
+    assert (shape.mlp, shape.vocab, shape.head_matmul, shape.blocks) == (
+        688,
+        1000,
+        1000 * h,
+        "model.layers",
+    )
+
+
+def test_example_gpt_and_its_experts():
+    import _tiny  # noqa: F401  (puts examples/ on the path)
+    from gpt import GPT as gpt
+    from gpt import PRESETS
+
+    cfg = PRESETS["tiny"]
+    with torch.device("meta"):
+        dense = sx.plan.ModelShape.of(gpt(cfg))
+        moe = sx.plan.ModelShape.of(gpt(cfg.replace(experts=4, top_k=2)))
+    d = cfg.d_model
+    assert (dense.layers, dense.heads, dense.mlp, dense.blocks) == (2, 4, 4 * d, "blocks")
+    assert dense.block_matmul == 12 * d * d
+    f = 4 * d // 2  # each expert is half an MLP wide; a token meets 2 of the 4
+    assert moe.experts == 4
+    assert moe.block_matmul == 4 * d * d + d * 4 + 2 * (3 * f * d)
+
+
+def test_a_model_without_blocks_is_refused():
+    with pytest.raises(PlanError, match="blocks"):
+        sx.plan.ModelShape.of(torch.nn.Linear(4, 4))
+
+
+# -- the cost model's parts ------------------------------------------------------------
+
+
+def test_collectives_follow_the_ring_and_tree_formulas():
+    link = sx.plan.Link(bandwidth=100e9, latency=5e-6)
+    n, size = 16, 2**30
+    assert sx.plan.collective_time("all_gather", size, n, link) == pytest.approx(
+        15 * 5e-6 + 15 / 16 * size / 100e9
+    )
+    # a large all-reduce rides the ring, a small one the tree (NCCL's choice by size)
+    assert sx.plan.collective_time("all_reduce", size, n, link) == pytest.approx(
+        30 * 5e-6 + 2 * 15 / 16 * size / 100e9
+    )
+    assert sx.plan.collective_time("all_reduce", 1024, n, link) == pytest.approx(
+        2 * 4 * 5e-6 + 2 * 1024 / 100e9
+    )
+    assert sx.plan.collective_time("all_reduce", size, 1, link) == 0.0
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
+def test_the_pipeline_time_is_the_simulated_schedule(name):
+    """Past ``2p`` micro-batches the planner extends a shorter simulation by
+    the extra compute: the same makespan as simulating them all."""
+    p, m, f, b, comm = 4, 20, 0.3, 0.7, 0.01
+    sched = schedule(name, p, m)
+    chunks = sched.stages // p
+    costs = {"F": f / chunks, "B": b / chunks, "I": b / chunks / 2, "W": b / chunks / 2}
+    full = simulate(sched, costs, comm=comm)
+    span, bubble, held = pipeline_time(name, p, m, 2, f, b, comm)
+    assert span == pytest.approx(full.makespan, rel=0.02)
+    assert bubble == pytest.approx(full.makespan - m * (f + b), rel=0.1, abs=0.01)
+    assert held == max(full.peak_activations) or name == "gpipe"
+
+
+def test_zero_stages_trade_memory_for_traffic():
+    model = _gpt2(4, 512, 8, vocab=8192, seq=1024)
+    cluster = sx.plan.Cluster.load("a100-80gb").with_nodes(2)
+    est = {}
+    for zero in range(4):
+        run = RunConfig.from_dict({"parallel": {"zero": zero}, "precision": {"params": "bf16"},
+                                   "batch": {"global": 64, "micro": 4}})  # fmt: skip
+        est[zero] = sx.plan.predict(run, model, cluster, seq=1024)
+    state = [sum(est[z].memory[r] for r in ("params", "grads", "opt_state")) for z in range(4)]
+    assert state == sorted(state, reverse=True) and state[0] > 8 * state[3]
+    n = sum(p.numel() for p in model.parameters())
+    assert est[0].memory["opt_state"] == 12 * n  # fp32 moments and master weights
+    assert est[3].memory["opt_state"] == pytest.approx(12 * n / 16, rel=1e-3)
+    assert est[3].time["dp_comm"] >= est[0].time["dp_comm"] >= 0
+
+
+# -- the search, its table, its config, its errors --------------------------------------
+
+
+def test_the_best_plan_is_a_run_config_the_tools_accept(tmp_path):
+    ranking = sx.plan.search(_gpt2(8, 512, 8, 8192, 1024), sx.plan.Cluster.load("h100"),
+                             batch=64, seq=1024, top=3)  # fmt: skip
+    assert len(ranking.plans) == 3
+    times = [e.step_time for e in ranking.plans]
+    assert times == sorted(times) and ranking.tried > 100
+    assert all(e.peak_memory <= ranking.budget for e in ranking.plans)
+    text = ranking.config_text(0)
+    assert RunConfig.from_text(text) == ranking.config(0)
+    path = tmp_path / "plan.hjson"
+    path.write_text(text)
+    result = CliRunner().invoke(main, ["config", "check", str(path), "--world-size", "8"])
+    assert result.exit_code == 0, result.output
+    table = str(ranking)
+    assert layout_name(ranking.best) in table and "tokens/s" in table and "MFU" in table
+    why = ranking.why(0)
+    assert "time compute" in why and "memory activations" in why
+
+
+def test_a_plan_that_cannot_fit_names_the_memory_it_needs():
+    with pytest.raises(PlanError, match=r"no layout fits 1\.0 GiB per device.*needs .* GiB"):
+        sx.plan.search(_gpt2(8, 1024, 8, 8192, 1024), sx.plan.Cluster.load("h100"),
+                       batch=16, seq=1024, memory=2**30)  # fmt: skip
+
+
+def test_plan_command_prints_the_table_and_writes_the_config(tmp_path):
+    out = tmp_path / "best.hjson"
+    args = ["plan", "--model", "gpt2", "--cluster", "a100-80gb", "--batch", "64", "--seq",
+            "1024", "--top", "2", "--why", "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "a100-80gb: 8 devices" in result.output and "time compute" in result.output
+    assert RunConfig.from_text(out.read_text()).parallel.zero in (0, 1, 2, 3)
+
+
+def test_plan_command_errors_are_clean():
+    result = CliRunner().invoke(main, ["plan", "--model", "nope", "--batch", "8", "--seq", "64"])
+    assert result.exit_code == 2 and "PlanError" in result.output
+    assert "llama-3-8b" in result.output and "Traceback" not in result.output
+
+
+# -- against published runs -------------------------------------------------------------
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", Table 1: GPT models (vocabulary 51,200, 2,048
+# tokens) on DGX A100 nodes — (billions of parameters, heads, hidden, layers,
+# tensor-parallel size, pipeline-parallel size, GPUs, batch, TFLOP/s per GPU).
+TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def _paper_row(row):
+    """The row's model, cluster and search over its own layout: its (t, p)
+    with Megatron-LM's choices of 2021 — no ZeRO, full recomputation, 1F1B,
+    no sequence parallelism, attention scores materialised — the
+    micro-batch size (which the table does not give) left to the search."""
+    billions, heads, hidden, layers, t, p, gpus, _, _ = row
+    model = _gpt2(layers, hidden, heads)
+    assert sum(x.numel() for x in model.parameters()) / 1e9 == pytest.approx(billions, rel=0.03)
+    cluster = sx.plan.Cluster.load("a100-80gb").with_nodes(gpus // 8)
+    own = sx.plan.Space(tp=(t,), pp=(p,), zero=(0,), remat=("save_nothing",),
+                        schedules=("1f1b",), sequence_parallel=(False,))  # fmt: skip
+    return model, cluster, own
+
+
+@pytest.mark.parametrize("row", TABLE_1, ids=[f"{r[0]}B" for r in TABLE_1])
+def test_megatron_table_1_row(row):
+    """Each row's own layout, with the one A100 preset (its achievable
+    fraction set once for all rows): TFLOP/s within 15 % of the paper's,
+    memory under the A100's 80 GB."""
+    model, cluster, own = _paper_row(row)
+    ranking = sx.plan.search(model, cluster, batch=row[7], seq=2048, space=own,
+                             attention="materialized", top=1)  # fmt: skip
+    est = ranking.best
+    assert est.tflops == pytest.approx(row[8], rel=0.15), ranking.why(0)
+    assert est.peak_memory < cluster.device_memory == 80 * 2**30  # an A100 80GB: 81,920 MiB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", TABLE_1, ids=[f"{r[0]}B" for r in TABLE_1])
+def test_plans_best_for_table_1_is_at_least_the_papers(row):
+    model, cluster, own = _paper_row(row)
+    kwargs = {"batch": row[7], "seq": 2048, "attention": "materialized", "top": 1}
+    paper = sx.plan.search(model, cluster, space=own, **kwargs).best
+    best = sx.plan.search(model, cluster, **kwargs).best
+    assert best.step_time <= paper.step_time * (1 + 1e-9)
+    assert math.isfinite(best.tflops) and best.peak_memory <= cluster.device_memory
