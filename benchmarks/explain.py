@@ -8,7 +8,13 @@ the meta device — no memory, nothing downloaded. Each case plans it on an
 
 - ``dp2048-tp8-zero3-megatron``: ``{"dp": 2048, "tp": 8}``,
   ``rules.zero(3, "dp") + rules.megatron("tp", names="auto")``;
-- ``dp16384-zero3``: ``{"dp": 16384}``, ``rules.zero(3, "dp")``.
+- ``dp16384-zero3``: ``{"dp": 16384}``, ``rules.zero(3, "dp")``;
+- ``plan-16384``: the whole planner, ``sx.plan.search`` of the model on
+  2,048 H100 nodes (16,384 GPUs; batch 2048 × 8192 tokens) over the
+  default space widened with Ulysses degrees 1–8 and the optimizer state
+  on the host — every candidate predicted, the best ones exactly (their
+  state by ``explain``, their bubble simulated); its rows give the search
+  time in ``explain_s`` and the layouts tried in ``leaves``.
 
 Every case runs in a fresh process (a process's peak RSS only grows): it
 builds the model, then times ``sx.explain(params, mesh, rules)`` and
@@ -37,6 +43,7 @@ from typing import Any
 CASES = {
     "dp2048-tp8-zero3-megatron": {"dp": 2048, "tp": 8},
     "dp16384-zero3": {"dp": 16384},
+    "plan-16384": {"dp": 16384},
 }
 LLAMA_3_405B = {
     "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
@@ -63,6 +70,42 @@ def _rules(case: str) -> Any:
 
     rules = sx.rules.zero(3, "dp")
     return rules + sx.rules.megatron("tp", names="auto") if "megatron" in case else rules
+
+
+def measure_plan(config: dict[str, Any], repeats: int, smoke: bool) -> dict[str, Any]:
+    """``sx.plan.search`` of the model of ``config`` on 16,384 H100s (2 nodes: smoke)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import shardax as sx
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    cluster = sx.plan.Cluster.load("h100").with_nodes(2 if smoke else 2048)
+    space = sx.plan.Space(sp=(1, 2, 4, 8) if not smoke else (1, 2), offload_opt=(None, "host"))
+    batch, seq = (16, 256) if smoke else (2048, 8192)
+    rss_before = _status_mib("VmRSS")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ranking = sx.plan.search(model, cluster, batch=batch, seq=seq, space=space)
+        times.append(time.perf_counter() - start)
+    peak = _status_mib("VmHWM")
+    return {
+        "case": "plan-16384",
+        "mesh": {"devices": cluster.world_size},
+        "ranks": cluster.world_size,
+        "leaves": ranking.tried,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "explain_s": statistics.median(times),
+        "str_s": 0.0,
+        "explain_s_all": times,
+        "str_s_all": [],
+        "rss_before_mib": rss_before,
+        "peak_rss_mib": peak,
+        "peak_rss_delta_mib": peak - rss_before,
+        "summary_lines": str(ranking).splitlines()[2:3] + str(ranking).splitlines()[-1:],
+    }
 
 
 def measure(case: str, config: dict[str, Any], repeats: int) -> dict[str, Any]:
@@ -119,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = TINY if args.smoke else LLAMA_3_405B
     repeats = 1 if args.smoke else args.repeats
+    if args.child == "plan-16384":
+        print(json.dumps(measure_plan(config, repeats, args.smoke)))
+        return 0
     if args.child:
         print(json.dumps(measure(args.child, config, repeats)))
         return 0
@@ -155,8 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(json.dumps(summary))
     for r in rows:
+        what, did = (
+            ("layouts", "search") if r["case"].startswith("plan") else ("tensors", "explain")
+        )
         print(
-            f"{r['case']:<28} {r['ranks']} ranks, {r['leaves']} tensors: explain "
+            f"{r['case']:<28} {r['ranks']} ranks, {r['leaves']} {what}: {did} "
             f"{r['explain_s']:.3f} s, str {r['str_s']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB "
             f"(+{r['peak_rss_delta_mib']:.0f})",
             file=sys.stderr,

@@ -332,7 +332,13 @@ def test_explain_benchmark_smoke(tmp_path):
     assert (
         [r["case"] for r in rows]
         == header["cases"]
-        == ["dp2048-tp8-zero3-megatron", "dp16384-zero3"]
+        == ["dp2048-tp8-zero3-megatron", "dp16384-zero3", "plan-16384"]
+    )
+    *rows, plan = rows
+    assert plan["leaves"] > 1000 and plan["explain_s"] > 0  # layouts tried, search seconds
+    assert (
+        plan["summary_lines"][-1].endswith(tuple("0123456789"))
+        or "left out" in plan["summary_lines"][-1]
     )
     for r in rows:
         assert r["ranks"] == 16384 and r["leaves"] == 23
@@ -343,6 +349,7 @@ def test_explain_benchmark_smoke(tmp_path):
         assert set(state) == {"params", "grads", "opt_state"} and state["opt_state"] > 0
         assert r["summary_lines"][-1].startswith("training state per rank (max): ")
     assert summary["summary"] == {
-        r["case"]: {k: r[k] for k in ("explain_s", "str_s", "peak_rss_delta_mib")} for r in rows
+        r["case"]: {k: r[k] for k in ("explain_s", "str_s", "peak_rss_delta_mib")}
+        for r in [*rows, plan]
     }
     assert json.loads(out.read_text())["summary"] == summary["summary"]
