@@ -336,10 +336,7 @@ def test_explain_benchmark_smoke(tmp_path):
     )
     *rows, plan = rows
     assert plan["leaves"] > 1000 and plan["explain_s"] > 0  # layouts tried, search seconds
-    assert (
-        plan["summary_lines"][-1].endswith(tuple("0123456789"))
-        or "left out" in plan["summary_lines"][-1]
-    )
+    assert "layouts tried" in plan["summary_lines"][-1]
     for r in rows:
         assert r["ranks"] == 16384 and r["leaves"] == 23
         assert (
