@@ -152,10 +152,10 @@ def plan_command(
     """  # fmt: skip
     from . import Cluster, Space, search
 
+    model = load_model(model_spec)  # first: a bad name fails before a cluster is measured
     cluster = Cluster.load(cluster_spec)
     if nodes is not None:
         cluster = cluster.with_nodes(nodes)
-    model = load_model(model_spec)
     space = Space(tp=_ints(tp), pp=_ints(pp), zero=_ints(zero))
     memory = memory_gib * 2**30 if memory_gib is not None else None
     ranking = search(model, cluster, batch=batch, seq=seq, space=space, precision=precision,

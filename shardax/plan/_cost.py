@@ -367,7 +367,7 @@ def _estimate(
     # -- a rank's stage: its blocks, and the head (the last stage) --------------------
     per_rank = shape.layers // s.pp
     head_flops = 2 * shape.head_matmul * tokens / s.tp
-    head_moved = VOCAB_TRAFFIC * shape.vocab * tokens / s.tp * 4  # fp32 logits for the loss
+    head_moved = VOCAB_TRAFFIC * shape.vocab * tokens * 4  # the loss on whole fp32 logits
     gathered_logits = tokens * shape.vocab * 4 if s.tp > 1 else 0.0
     head_f = head_flops / rate + head_moved / bw
     head_f += collective_time("all_gather", gathered_logits, s.tp, tp_link)
@@ -438,7 +438,7 @@ def _estimate(
     inputs = tokens * shape.width / (s.tp if split else 1) * nbytes
     kept = (1 - remat) * full + remat * inputs
     memory["activations"] = held * chunk_layers * kept + 2 * full  # + the block in backward
-    memory["logits"] = tokens * shape.vocab * 4 * 2  # fp32, and their gradient
+    memory["logits"] = tokens * shape.vocab * 4 * 3  # fp32, log-softmax, their gradient
 
     model_flops = s.global_batch * seq * shape.flops_per_token(seq)
     hardware = (
@@ -493,11 +493,14 @@ def _offload_time(
 ) -> float:
     """Seconds a step spends moving offloaded state: the optimizer state read
     and written once, the params' shards read in each forward and backward,
-    the reduced gradients written; over the disk (shared by a node's ranks)
-    or the host link."""
+    the reduced gradients written; over the disk (shared by a node's ranks;
+    at the host link's speed where the node's optimizer files fit in a
+    quarter of its memory: the page cache keeps them) or the host link."""
     m = config.memory
     per_node = min(world, cluster.devices_per_node)
     disk = cluster.disk_bandwidth / per_node
+    if per_node * 2 * elems * opt < cluster.host_memory / 4:  # the page cache holds the files
+        disk = cluster.host_bandwidth
 
     def over(kind: str | None) -> float:
         if kind is None:

@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from shardax.errors import USER_ERRORS, PlanError
-from shardax.plan import PRESETS, Cluster, Link, _cluster, this_machine
+from shardax.plan import PRESETS, Cluster, Link, _probe, this_machine
 from shardax.plan._cluster import A100_ACHIEVABLE, DTYPES, quantity
 
 GiB = 2**30
@@ -243,7 +243,7 @@ def test_load_names_the_choices(tmp_path):
 
 def test_load_this_machine_passes_the_ranks(monkeypatch):
     asked = []
-    monkeypatch.setattr(_cluster, "this_machine", lambda ranks: asked.append(ranks) or "probed")
+    monkeypatch.setattr(_probe, "this_machine", lambda ranks: asked.append(ranks) or "probed")
     assert Cluster.load("this-machine") == Cluster.load("this-machine:4") == "probed"
     assert asked == [2, 4]
 
@@ -265,8 +265,8 @@ def measured():
 
 def test_this_machine_is_sane(measured):
     c = measured
-    assert (c.name, c.nodes, c.devices_per_node, c.achievable, c.overlap) == (
-        "this-machine", 1, 2, 1.0, 0.0)  # fmt: skip
+    assert (c.name, c.nodes, c.devices_per_node, c.overlap) == ("this-machine", 1, 2, 0.0)
+    assert 0.05 <= c.achievable <= 1.0  # a transformer block's share of the matmul rate
     assert 1e8 < c.flops("fp32") < 1e13
     assert set(c.peak_flops) <= {"fp32", "bf16"}
     assert 1e8 < c.memory_bandwidth < 1e12 and c.host_bandwidth == c.memory_bandwidth / 2
