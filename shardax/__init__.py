@@ -30,9 +30,9 @@ from .errors import CollectiveError as CollectiveError
 from .errors import CollectiveMismatchError as CollectiveMismatchError
 from .errors import CollectiveTimeoutError as CollectiveTimeoutError
 from .errors import ConfigError as ConfigError
-from .errors import PlanError as PlanError
 from .errors import LaunchError as LaunchError
 from .errors import MeshError as MeshError
+from .errors import PlanError as PlanError
 from .errors import ScheduleError as ScheduleError
 from .errors import ShardingError as ShardingError
 from .errors import SplitTensorError as SplitTensorError

@@ -229,3 +229,32 @@ def test_plans_best_for_table_1_is_at_least_the_papers(row):
     best = sx.plan.search(model, cluster, **kwargs).best
     assert best.step_time <= paper.step_time * (1 + 1e-9)
     assert math.isfinite(best.tflops) and best.peak_memory <= cluster.device_memory
+
+
+def test_the_example_trains_from_the_plan_it_is_given(tmp_path):
+    """``shardax plan --out`` for the example GPT on this machine's 2 ranks,
+    then ``examples/train_gpt.py --config`` of that file: it runs the layout
+    the plan chose, and the loss goes down."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "plan.hjson"
+    args = ["plan", "--model", str(root / "examples/gpt.py:small"), "--cluster",
+            "this-machine:2", "--batch", "16", "--seq", "128", "--precision", "fp32",
+            "--top", "1", "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    plan = RunConfig.from_text(out.read_text())
+    done = subprocess.run(
+        [sys.executable, "-m", "shardax", "launch", "--nproc-per-node", "2",
+         "examples/train_gpt.py", "--config", str(out), "--steps", "6", "--log-every", "1",
+         "--eval-batches", "0", "--sample-tokens", "0", "--out", str(tmp_path / "ckpt")],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"ZeRO-{plan.parallel.zero}" in done.stdout
+    losses = [float(line.split("loss ")[1].split()[0]) for line in done.stdout.splitlines()
+              if "] step " in line]  # fmt: skip
+    assert len(losses) == 6 and losses[-1] < losses[0]
