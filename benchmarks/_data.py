@@ -17,11 +17,17 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "MICRO_BATCH", "batch", "interleaved", "load_tokens", "peak_rss_mib", "rss_per_rank",
-    "threads_per_rank", "timed_steps",
+    "MICRO_BATCH", "batch", "interleaved", "load_tokens", "model_facts", "peak_rss_mib",
+    "rss_per_rank", "threads_per_rank", "timed_steps",
 ]  # fmt: skip
 
 MICRO_BATCH = {"tiny": 8, "small": 8, "bench": 4, "wide": 2}  # sequences per rank and step
+
+
+def model_facts(cfg: Any, params: int) -> dict[str, int]:
+    """A GPT config's shape for a benchmark's JSON header."""
+    names = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads")
+    return {**{name: getattr(cfg, name) for name in names}, "params": params}
 
 
 def load_tokens(path: Path, vocab_size: int) -> torch.Tensor:

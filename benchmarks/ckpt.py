@@ -74,6 +74,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from _data import model_facts  # noqa: E402  (beside this file)
 from gpt import GPT, PRESETS, GPTConfig, param_count  # noqa: E402
 
 import shardax as sx  # noqa: E402
@@ -700,14 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         header = {
             "benchmark": "ckpt",
             "preset": args.preset,
-            "model": {
-                "vocab_size": cfg.vocab_size,
-                "seq_len": cfg.seq_len,
-                "d_model": cfg.d_model,
-                "n_layers": cfg.n_layers,
-                "n_heads": cfg.n_heads,
-                "params": param_count(cfg),
-            },
+            "model": model_facts(cfg, param_count(cfg)),
             "state": "params + AdamW (count, mu, nu), ZeRO-3 over dp, fp32, after one step",
             "nproc": args.nprocs,
             "repeats": args.repeats,

@@ -83,7 +83,7 @@ EXAMPLE = ROOT / "examples" / "train_gpt.py"
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))  # this checkout's shardax, for the driver and (PYTHONPATH) ranks
 
-from _data import threads_per_rank  # noqa: E402  (beside this file)
+from _data import model_facts, threads_per_rank  # noqa: E402  (beside this file)
 
 CRITERIA = {"tokens_within": 0.25, "rss_within": 0.15, "spearman_min": 0.8}
 """Issue 36's acceptance: predicted / measured tokens/s within 1 ± 0.25 and
@@ -619,14 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = {
         "benchmark": "plan",
         "preset": args.preset,
-        "model": {
-            "vocab_size": cfg.vocab_size,
-            "seq_len": cfg.seq_len,
-            "d_model": cfg.d_model,
-            "n_layers": cfg.n_layers,
-            "n_heads": cfg.n_heads,
-            "params": param_count(cfg),
-        },
+        "model": model_facts(cfg, param_count(cfg)),
         "nproc": args.nproc,
         "global_batch": args.batch,
         "tokens_per_step": args.batch * cfg.seq_len,

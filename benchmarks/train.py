@@ -107,6 +107,7 @@ from _data import (  # noqa: E402  (beside this file)
     interleaved,
     launch_run,
     load_tokens,
+    model_facts,
     peak_rss_mib,
     threads_per_rank,
     timed_steps,
@@ -773,14 +774,7 @@ def main(argv: Sequence[str] | None = None, benchmark: str = "train") -> int:
     header = {
         "benchmark": benchmark,
         "preset": args.preset,
-        "model": {
-            "vocab_size": cfg.vocab_size,
-            "seq_len": cfg.seq_len,
-            "d_model": cfg.d_model,
-            "n_layers": cfg.n_layers,
-            "n_heads": cfg.n_heads,
-            "params": param_count(cfg),
-        },
+        "model": model_facts(cfg, param_count(cfg)),
         "nproc": args.nproc,
         "micro_batch": args.micro,
         "global_batch": args.micro * args.nproc,
