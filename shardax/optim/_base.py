@@ -19,7 +19,7 @@ from ..errors import ShardingError
 from ..shard._memory import allocate
 from ..shard._placement import memory_kind, role_layout
 from ..shard._sharded import Sharded
-from ..shard._transfer import transfer
+from ..shard._transfer import transfer, transfer_many
 from ._gradless import gradless, keep_gradless
 
 __all__ = [
@@ -301,9 +301,9 @@ def structure_error(tree: Any, ref: Any, what: str, ref_what: str) -> ValueError
     )
 
 
-def align_leaf(x: Leaf, ref: Leaf, path: Callable[[], str], what: str) -> Leaf:
-    """``x`` in ``ref``'s layout (a transfer for Sharded leaves: a free local
-    slice from replicated to sharded, a no-op when equal)."""
+def check_leaf(x: Leaf, ref: Leaf, path: Callable[[], str], what: str) -> Leaf:
+    """``x``, checked to meet ``ref``: both Sharded or both plain, the same
+    global shape."""
     if isinstance(ref, Sharded):
         if not isinstance(x, Sharded):
             raise ShardingError(
@@ -314,7 +314,7 @@ def align_leaf(x: Leaf, ref: Leaf, path: Callable[[], str], what: str) -> Leaf:
             raise ValueError(
                 f"{what} leaf {path()!r} has global shape {x.shape}; expected {ref.shape}"
             )
-        return x if x.layout == ref.layout else transfer(x, ref.layout)
+        return x
     if isinstance(x, Sharded):
         raise ShardingError(
             f"{what} leaf {path()!r} is Sharded {x!r} but the value it meets is a plain tensor "
@@ -360,11 +360,27 @@ class Flat:
 
     def align_flat(self, leaves: Sequence[Leaf], tree: Any, what: str) -> list[Leaf]:
         """:meth:`align_leaves` for ``leaves`` already flattened from ``tree``
-        (with this structure)."""
-        return [
-            align_leaf(x, ref, functools.partial(leaf_path, tree, i), what)
+        (with this structure). The Sharded leaves laid out unlike theirs
+        move together (:func:`~shardax.shard._transfer.transfer_many`: ZeRO-1/2's
+        updates gathered in one all_gather per group and dtype, not one per
+        leaf), or one by one where a local tensor is differentiated through."""
+        out = [
+            check_leaf(x, ref, functools.partial(leaf_path, tree, i), what)
             for i, (x, ref) in enumerate(zip(leaves, self.leaves, strict=True))
         ]
+        moves = [
+            (i, x, ref.layout)
+            for i, (x, ref) in enumerate(zip(out, self.leaves, strict=True))
+            if isinstance(ref, Sharded) and x.layout != ref.layout
+        ]
+        if len(moves) > 1 and not any(x.local.requires_grad for _, x, _ in moves):
+            moved = transfer_many([(x, layout) for _, x, layout in moves]).wait()
+            for (i, x, layout), t in zip(moves, moved, strict=True):
+                out[i] = Sharded(t, layout, x.shape)
+        else:
+            for i, x, layout in moves:
+                out[i] = transfer(x, layout)
+        return out
 
     def align(self, tree: Any, what: str) -> list[torch.Tensor]:
         """The local tensors of ``tree`` aligned to these leaves."""
