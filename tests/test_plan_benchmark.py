@@ -158,13 +158,6 @@ def test_committed_tokens_per_s_are_predicted_within_25_percent(committed):
     assert not off, f"predicted / measured tokens/s outside 1 ± {within}: {off}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 36, open: measured RSS grows 4-9 % past the first step (allocator "
-    "fragmentation, which the model does not count), the pipeline layouts' first step is "
-    "already ~80 MiB above the model, and ZeRO 1-3 steps run ~70 ms slower than ZeRO-0's "
-    "(the sharded update), an order the model does not see. When this passes, drop the mark.",
-)
 def test_committed_peak_rss_within_15_percent_and_the_order_holds(bench, committed):
     """Issue 36, acceptance point 1: every layout's predicted peak memory
     within ±15 % of the measured ``step``-phase peak RSS, and the layouts

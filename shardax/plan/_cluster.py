@@ -41,7 +41,8 @@ _TIMES = {"s": 1, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # divisors
 _WORDS = {"B": "bytes, e.g. '80 GiB'", "B/s": "bytes/s, e.g. '600 GB/s'",
           "FLOP/s": "FLOP/s, e.g. '312 TFLOP/s'", "s": "seconds, e.g. '5 us'",
           "achievable": "the fraction of peak a large matmul reaches, e.g. 0.7",
-          "overlap": "the share of communication hidden behind compute, e.g. 1"}  # fmt: skip
+          "overlap": "the share of communication hidden behind compute, e.g. 1",
+          "allocator_slack": "the share of the activations the allocator keeps, e.g. 0.4"}  # fmt: skip
 _NUMBER = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(\S*)\s*$")
 
 
@@ -116,6 +117,8 @@ class Link:
     bytes/s per rank, one direction (NCCL's *bus bandwidth*, nccl-tests);
     ``latency`` in seconds per message step (alpha). A ring all-reduce of
     ``S`` bytes over ``n`` ranks: ``2(n-1)`` steps, ``2(n-1)/n * S`` bytes.
+    ``gather_bandwidth``: the bus bandwidth of all-gathers and
+    reduce-scatters where it differs from the all-reduce's (None: the same).
 
     >>> Link(bandwidth="230 GB/s", latency="3.4 us")
     Link(bandwidth=230000000000.0, latency=3.4e-06)
@@ -123,6 +126,21 @@ class Link:
 
     bandwidth: float = attrs.field(converter=_number("bandwidth", "B/s"))
     latency: float = attrs.field(converter=_number("latency", "s", closed=True))
+    gather_bandwidth: float | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else _number("gather_bandwidth", "B/s")(v),
+    )
+
+    def __repr__(self) -> str:
+        extra = (
+            "" if self.gather_bandwidth is None else f", gather_bandwidth={self.gather_bandwidth!r}"
+        )
+        return f"Link(bandwidth={self.bandwidth!r}, latency={self.latency!r}{extra})"
+
+    @property
+    def gather(self) -> float:
+        """The all-gather and reduce-scatter bus bandwidth."""
+        return self.bandwidth if self.gather_bandwidth is None else self.gather_bandwidth
 
     def time(self, nbytes: float, steps: int = 1) -> float:
         """Seconds to move ``nbytes`` per rank in ``steps`` message steps:
@@ -139,11 +157,11 @@ def _link(name: str) -> Any:
     def convert(value: Any) -> Link:
         if isinstance(value, Link):
             return value
-        keys, mapping = ["bandwidth", "latency"], isinstance(value, Mapping)
+        keys, mapping = ["bandwidth", "latency", "gather_bandwidth"], isinstance(value, Mapping)
         extra = sorted(set(value) - set(keys)) if mapping else []
         if extra:
             raise PlanError(_unknown("", extra[0], f"{name}.", keys)[2:], f"{name}.{extra[0]}")
-        if not mapping or set(value) != set(keys):
+        if not mapping or not {"bandwidth", "latency"} <= set(value):
             example = "{bandwidth: '230 GB/s', latency: '3.4 us'}"
             raise PlanError(f"{name} is a link, both keys given: {example}; got {value!r}", name)
         try:
@@ -183,6 +201,13 @@ class Cluster:
         host_memory: bytes of host memory per node.
         overlap: the share of communication that can run behind compute:
             1 on GPUs (copy engines), 0 where the computing cores move it.
+        allocator_slack: the share of a step's short-lived memory (the
+            activations) the allocator keeps on top of the first step's
+            peak, step after step (fragmentation): measured on this machine,
+            0 for the GPU presets (PyTorch's caching allocator is not modelled).
+        allocator_threshold: tensors at least this many bytes go back to the
+            system when freed and add no slack (glibc's mmap threshold, which
+            ``shardax.init`` sets to 4 MiB); None: every size adds it.
 
     >>> Cluster.load("h100").with_nodes(2).world_size
     16
@@ -208,6 +233,14 @@ class Cluster:
     disk_bandwidth: float = attrs.field(converter=_number("disk_bandwidth", "B/s"))
     host_memory: int = attrs.field(converter=_number("host_memory", "B", integer=True))
     overlap: float = attrs.field(default=1.0, converter=_number("overlap", "", **_SHARE))
+    allocator_slack: float = attrs.field(
+        default=0.0, converter=_number("allocator_slack", "", closed=True)
+    )
+    allocator_threshold: int | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else _number(
+            "allocator_threshold", "B", low=1, closed=True, integer=True)(v),
+    )  # fmt: skip
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -258,12 +291,16 @@ class Cluster:
         return attrs.evolve(self, nodes=nodes)
 
     def to_dict(self) -> dict[str, Any]:
-        """As plain data, every field named (what :meth:`from_dict` reads).
+        """As plain data, every field named but those None (what
+        :meth:`from_dict` reads).
 
         >>> Cluster.load("h100").to_dict()["intra"]
         {'bandwidth': 360000000000.0, 'latency': 3.4e-06}
         """
-        return attrs.asdict(self)
+        out = {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        for key in ("intra", "inter"):  # a link's gather bandwidth only where it has its own
+            out[key] = {k: v for k, v in out[key].items() if v is not None}
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "cluster") -> Cluster:
@@ -272,7 +309,7 @@ class Cluster:
         >>> Cluster.from_dict({**Cluster.load("h100").to_dict(), "node": 2})
         Traceback (most recent call last):
         ...
-        shardax.errors.PlanError: cluster: unknown key node (did you mean 'nodes'?); the top level takes name, nodes, devices_per_node, device_memory, reserved_memory, peak_flops, achievable, memory_bandwidth, intra, inter, host_bandwidth, disk_bandwidth, host_memory, overlap
+        shardax.errors.PlanError: cluster: unknown key node (did you mean 'nodes'?); the top level takes name, nodes, devices_per_node, device_memory, reserved_memory, peak_flops, achievable, memory_bandwidth, intra, inter, host_bandwidth, disk_bandwidth, host_memory, overlap, allocator_slack, allocator_threshold
         """
         if not isinstance(data, Mapping):
             raise PlanError(f"{source}: a cluster is an object of fields; got {data!r}")
@@ -324,7 +361,8 @@ class Cluster:
         """
         units = {"device_memory": "B", "reserved_memory": "B", "host_memory": "B",
                  "memory_bandwidth": "B/s", "host_bandwidth": "B/s", "disk_bandwidth": "B/s",
-                 "bandwidth": "B/s", "latency": "s", "peak_flops": "FLOP/s"}  # fmt: skip
+                 "bandwidth": "B/s", "gather_bandwidth": "B/s", "latency": "s",
+                 "peak_flops": "FLOP/s", "allocator_threshold": "B"}  # fmt: skip
 
         def lines(data: Mapping[str, Any], indent: str, unit: str | None) -> list[str]:
             out = []

@@ -25,7 +25,9 @@ Memory (the most loaded rank): the runtime's reserve, the exact
 :func:`~shardax.explain` bytes of the rank's stages by role (params, grads,
 optimizer state on the device), the largest gathered unit under ZeRO-3
 (two with prefetch), the activations the schedule keeps in flight under the
-remat policy, and the logits.
+remat policy, the logits, and what the allocator keeps beyond them step
+after step (``Cluster.allocator_slack`` of the activations in tensors under
+its threshold).
 """
 
 from __future__ import annotations
@@ -177,11 +179,13 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     share = (n - 1) / n * nbytes / link.bandwidth
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * link.latency + (n - 1) / n * nbytes / link.gather
     if op == "all_reduce":
         ring = 2 * (n - 1) * link.latency + 2 * share
         tree = 2 * math.ceil(math.log2(n)) * link.latency + 2 * nbytes / link.bandwidth
         return min(ring, tree)
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op == "all_to_all":
         return (n - 1) * link.latency + share
     raise ValueError(f"unknown collective {op!r}")
 
@@ -438,6 +442,10 @@ def _estimate(
     inputs = tokens * shape.width / (s.tp if split else 1) * nbytes
     kept = (1 - remat) * full + remat * inputs
     memory["activations"] = held * chunk_layers * kept + 2 * full  # + the block in backward
+    memory["allocator"] = cluster.allocator_slack * _small_churn(
+        shape, seq, tokens, nbytes, flash, s, split, remat, held * chunk_layers,
+        cluster.allocator_threshold,
+    )  # fmt: skip
     memory["logits"] = tokens * shape.vocab * 4 * 3  # fp32, log-softmax, their gradient
 
     model_flops = s.global_batch * seq * shape.flops_per_token(seq)
@@ -450,6 +458,31 @@ def _estimate(
         config, world, seq, s.global_batch * seq, time, memory, offloaded,
         model_flops, hardware, rate / cluster.achievable, tuple(notes),
     )  # fmt: skip
+
+
+def _small_churn(
+    shape: ModelShape,
+    seq: int,
+    tokens: float,
+    nbytes: int,
+    flash: bool,
+    s: _Sizes,
+    split: bool,
+    remat: float,
+    layers_held: float,
+    threshold: int | None,
+) -> float:
+    """The activations' bytes in tensors under the allocator's threshold
+    (those it keeps in its arenas when freed): what its slack grows with."""
+    parts = shape.layer_saved_parts(seq, flash=flash, tp=s.tp, split_width=split)
+
+    def small(per_tensor: float) -> bool:
+        return threshold is None or tokens * per_tensor * nbytes < threshold
+
+    full = sum(tokens * count * nbytes for count, per in parts if small(per))
+    width = shape.width / (s.tp if split else 1)
+    inputs = tokens * width * nbytes if small(width) else 0.0
+    return layers_held * ((1 - remat) * full + remat * inputs) + 2 * full
 
 
 def _stages(name: str, ranks: int, virtual: int) -> int:

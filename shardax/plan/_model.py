@@ -109,6 +109,19 @@ class ModelShape:
         width = WIDTH_TRAFFIC * self.width / (tp if split_width else 1)
         return width + (MLP_TRAFFIC * self.mlp + scores) / tp
 
+    def layer_saved_parts(
+        self, seq: int, *, flash: bool, tp: int = 1, split_width: bool = False
+    ) -> list[tuple[float, float]]:
+        """:meth:`layer_saved` by kind of tensor: ``(elements per token, of
+        them per tensor)`` for the model-width tensors, the MLP's and the
+        attention scores (where materialised)."""
+        width = self.width / (tp if split_width else 1)
+        parts = [(SAVED_WIDTH * width, width), (SAVED_MLP * self.mlp / tp, self.mlp / tp)]
+        if not flash:
+            scores = self.heads * seq / tp
+            parts.append((SAVED_SCORES * scores, scores))
+        return parts
+
     def layer_saved(
         self, seq: int, *, flash: bool, tp: int = 1, split_width: bool = False
     ) -> float:

@@ -46,7 +46,11 @@ def this_machine(ranks: int = 2, *, quick: bool = False) -> Cluster:
       imported. ``disk_bandwidth``: writing and fsyncing 64 MiB (16 if
       ``quick``) in ``TMPDIR``. ``host_memory``: MemTotal (or the cgroup's
       limit, if lower), ``device_memory`` its share per rank. ``overlap``:
-      0, the cores that compute also move the bytes.
+      0, the cores that compute also move the bytes. ``gather_bandwidth``
+      of each link: an all-gather of 16 MiB per rank into a new tensor.
+      ``allocator_slack``: a 512-wide block's step repeated 6 times, how much
+      the peak RSS grew past the first step's over what that step took;
+      ``allocator_threshold``: the mmap threshold ``shardax.init`` sets.
 
     >>> this_machine  # measured, so no output to show  # doctest: +ELLIPSIS
     <function this_machine at ...>
@@ -82,7 +86,11 @@ def this_machine(ranks: int = 2, *, quick: bool = False) -> Cluster:
     achievable = _block_achievable(
         256 if quick else 512, got["block"], got["fp32"], 2 * got["copy"]
     )
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get(
+        "SHARDAX_MMAP_THRESHOLD", str(4 * _MiB)
+    )
     return Cluster(
+        allocator_slack=got["slack"], allocator_threshold=int(threshold) or None,
         name="this-machine", devices_per_node=ranks, device_memory=host // ranks,
         reserved_memory=got["rss"], peak_flops=flops, achievable=achievable,
         memory_bandwidth=2 * got["copy"], intra=Link(**got["intra"]), inter=Link(**got["inter"]),
@@ -114,6 +122,28 @@ def _block_step(width: int) -> Any:
         x.sum().backward()
 
     return step
+
+
+def _allocator_slack(step: Any, repeats: int) -> float:
+    """How much the allocator's footprint grows past one step's peak when the
+    step repeats: (peak after ``repeats`` more steps - the first step's) over
+    (the first step's - the memory before it), the shardax mmap threshold
+    in effect (its ``Mesh`` set it)."""
+    from ..monitor import peak_memory, reset_peak_memory
+
+    def rss() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(row.split()[1]) / 1024 for row in f if row.startswith("VmRSS:"))
+
+    if not reset_peak_memory():
+        return 0.0
+    base = rss()
+    step()
+    first = peak_memory()["peak_rss_mib"]
+    for _ in range(repeats):
+        step()
+    after = peak_memory()["peak_rss_mib"]
+    return max(0.0, (after - first) / max(first - base, 1.0))
 
 
 def _block_achievable(width: int, seconds: float, peak: float, bandwidth: float) -> float:
@@ -173,7 +203,7 @@ def _rank_main() -> None:
     import torch
     import torch.distributed as dist
 
-    from ..collectives import barrier, psum
+    from ..collectives import all_gather, barrier, psum
     from ..collectives._backend import comm_of
     from ..mesh import Mesh, shutdown
 
@@ -201,8 +231,10 @@ def _rank_main() -> None:
     if comm_of(meshes["inter"].group("x")).backend.name != "torch":
         raise RuntimeError("the second mesh did not get a gloo group of its own")
     rates = [math.inf] * 4  # fp32, bf16, copy, a block: only the computing ranks measure
+    slack = [0.0]
     barrier(mesh=meshes["intra"])
     if rank < ranks:
+        slack[0] = _allocator_slack(_block_step(512), 6)
         rates[3] = best(_block_step(256 if quick else 512), 2 if quick else 3)
         n, reps = (512, 2) if quick else (1024, 3)
         for i, dtype in enumerate((torch.float32, torch.bfloat16)):
@@ -220,6 +252,7 @@ def _rank_main() -> None:
     )
     out["block"] = -out["block"]
     out["rss"] = int(reduce([rss], dist.ReduceOp.MAX)[0])
+    out["slack"] = reduce(slack, dist.ReduceOp.MAX)[0]
     share, steps = 2 * (procs - 1) / procs, 2 * (procs - 1)
     for which, mesh in meshes.items():
         fit = []  # (bytes, seconds) for 64 KiB and 16 MiB
@@ -238,7 +271,18 @@ def _rank_main() -> None:
         per_byte = (t_large - t_small) / (share * (large - small))
         per_byte = per_byte if per_byte > 0 else t_large / (share * large)  # noise won
         latency = max(0.0, t_small - share * small * per_byte) / steps
-        out[which] = {"bandwidth": 1 / per_byte, "latency": latency}
+        x = torch.zeros(4 * _MiB)  # a ZeRO gather: into a new tensor, as training's are
+        all_gather(x, "x", mesh=mesh)  # warm up
+        times = []
+        for _ in range(2 if quick else 4):
+            barrier(mesh=mesh)
+            start = time.perf_counter()
+            all_gather(x, "x", mesh=mesh)
+            times.append(time.perf_counter() - start)
+        moved = (procs - 1) * x.numel() * 4  # of the whole, what each rank receives
+        t_gather = max(min(reduce(times, dist.ReduceOp.MAX)) - (procs - 1) * latency, 1e-9)
+        out[which] = {"bandwidth": 1 / per_byte, "latency": latency,
+                      "gather_bandwidth": moved / t_gather}  # fmt: skip
     shutdown()
     if rank == 0:
         print(_MARK + json.dumps(out), flush=True)

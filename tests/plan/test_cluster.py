@@ -193,6 +193,13 @@ BAD = [
         {"bandwidth": 1e9},
         "inter is a link, both keys given: {bandwidth: '230 GB/s', latency: '3.4 us'}",
     ),
+    (
+        "intra",
+        {"bandwidth": 1e9, "latency": 0, "gather_bandwidth": 0},
+        "intra.gather_bandwidth must be positive: bytes/s",
+    ),
+    ("allocator_slack", -0.5, "allocator_slack must be >= 0: the share of the activations"),
+    ("allocator_threshold", 0, "allocator_threshold must be >= 1: bytes"),
 ]
 
 
@@ -275,4 +282,18 @@ def test_this_machine_is_sane(measured):
     assert 50 * 2**20 < c.reserved_memory < 2 * GiB
     assert c.device_memory == c.host_memory // 2 and c.host_memory > 2**30
     assert c.disk_bandwidth > 1e6
+    for link in (c.intra, c.inter):  # a ZeRO gather into a new tensor: its own bandwidth
+        assert 0 < link.gather < 1e12 and link.gather_bandwidth is not None
+    assert c.allocator_slack >= 0 and c.allocator_threshold == 4 * 2**20
     assert Cluster.from_text(c.to_hjson()) == c
+
+
+def test_a_link_with_its_own_gather_bandwidth_round_trips():
+    link = Link(bandwidth="8 GB/s", latency="30 us", gather_bandwidth="1.4 GB/s")
+    assert eval(repr(link)) == link and link.gather == 1.4e9
+    assert Link(bandwidth=8e9, latency=0).gather == 8e9  # none given: the all-reduce's
+    cluster = attrs.evolve(PRESETS["h100"], intra=link, allocator_slack=0.4,
+                           allocator_threshold="4 MiB")  # fmt: skip
+    assert Cluster.from_text(cluster.to_hjson()) == cluster
+    assert "gather_bandwidth" not in PRESETS["h100"].to_dict()["intra"]
+    assert "allocator_threshold" not in PRESETS["h100"].to_dict()  # None: left out

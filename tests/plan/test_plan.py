@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from click.testing import CliRunner
@@ -96,6 +97,34 @@ def test_collectives_follow_the_ring_and_tree_formulas():
         2 * 4 * 5e-6 + 2 * 1024 / 100e9
     )
     assert sx.plan.collective_time("all_reduce", size, 1, link) == 0.0
+
+
+def test_gathers_ride_their_own_bandwidth():
+    link = sx.plan.Link(bandwidth=8e9, latency=0.0, gather_bandwidth=1e9)
+    assert sx.plan.collective_time("all_gather", 2e9, 2, link) == pytest.approx(1.0)
+    assert sx.plan.collective_time("reduce_scatter", 2e9, 2, link) == pytest.approx(1.0)
+    assert sx.plan.collective_time("all_reduce", 2e9, 2, link) == pytest.approx(2e9 / 8e9)
+
+
+def test_the_allocator_keeps_a_share_of_the_small_activations():
+    """``allocator_slack`` of the activations held in tensors under the
+    threshold: none when every tensor is over it, all of them with no
+    threshold."""
+    model = _gpt2(4, 512, 8, vocab=8192, seq=256)
+    run = RunConfig.from_dict({"batch": {"global": 8, "micro": 4}})
+    base = attrs.evolve(sx.plan.Cluster.load("h100"), allocator_slack=0.5)
+    memory = {
+        threshold: sx.plan.predict(
+            run, model, attrs.evolve(base, allocator_threshold=threshold), seq=256,
+            world_size=2,
+        ).memory
+        for threshold in (None, 1, 4 * 2**20)
+    }  # fmt: skip
+    assert memory[1]["allocator"] == 0.0
+    # 4 x 256 tokens: the 512-wide tensors (2 MiB) are under 4 MiB, the MLP's (8 MiB) over
+    assert 0 < memory[4 * 2**20]["allocator"] < memory[None]["allocator"]
+    held = memory[None]["activations"]  # one micro-batch's blocks and the backward's block
+    assert memory[None]["allocator"] == pytest.approx(0.5 * held)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
