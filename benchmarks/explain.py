@@ -11,8 +11,7 @@ the meta device — no memory, nothing downloaded. Each case plans it on an
 - ``dp16384-zero3``: ``{"dp": 16384}``, ``rules.zero(3, "dp")``;
 - ``plan-16384``: the whole planner, ``sx.plan.search`` of the model on
   2,048 H100 nodes (16,384 GPUs; batch 2048 × 8192 tokens) over the
-  default space widened with Ulysses degrees 1–8 and the optimizer state
-  on the host — every candidate predicted, the best ones exactly (their
+  default space — every candidate predicted, the best ones exactly (their
   state by ``explain``, their bubble simulated); its rows give the search
   time in ``explain_s`` and the layouts tried in ``leaves``.
 
@@ -82,7 +81,7 @@ def measure_plan(config: dict[str, Any], repeats: int, smoke: bool) -> dict[str,
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**config))
     cluster = sx.plan.Cluster.load("h100").with_nodes(2 if smoke else 2048)
-    space = sx.plan.Space(sp=(1, 2, 4, 8) if not smoke else (1, 2), offload_opt=(None, "host"))
+    space = sx.plan.Space(sp=(1, 2)) if smoke else sx.plan.Space()
     batch, seq = (16, 256) if smoke else (2048, 8192)
     rss_before = _status_mib("VmRSS")
     times = []

@@ -8,8 +8,9 @@ Time (one optimizer step, the slowest rank):
   elementwise kernels move over the memory bandwidth — split by tensor and
   sequence parallelism; rematerialisation adds a forward (``save_nothing``)
   or its elementwise part (``save_matmuls``);
-- **tensor/sequence communication** (Megatron's all-reduces, Ulysses'
-  all-to-alls, the gathered logits): on the critical path, exposed;
+- **tensor/sequence/expert communication** (Megatron's all-reduces,
+  Ulysses' all-to-alls, the tokens sent to their experts and back, the
+  gathered logits): on the critical path, exposed;
 - **pipeline bubble**: the schedule simulated (:mod:`._pipe`) with the
   stages' forward and backward times and the activations' transfer;
 - **data-parallel communication** (ZeRO's all-reduces, all-gathers and
@@ -124,6 +125,7 @@ class _Sizes:
     micro_size: int  # sequences per micro-batch
     global_batch: int
     virtual: int
+    ep: int = 1
 
 
 def _sizes(config: RunConfig, world: int) -> _Sizes:
@@ -149,7 +151,9 @@ def _sizes(config: RunConfig, world: int) -> _Sizes:
     virtual = p.pp_virtual if p.pp_schedule in ("interleaved_1f1b", "looped_bfs") else 1
     if p.pp_schedule in ("zbv", "dualpipe_v"):
         virtual = 2
-    return _Sizes(size(p.tp), size(p.sp), pp, dp, micro, size_, batch.global_size, virtual)
+    return _Sizes(
+        size(p.tp), size(p.sp), pp, dp, micro, size_, batch.global_size, virtual, size(p.ep)
+    )
 
 
 def _group_link(config: RunConfig, world: int, axes: tuple[str, ...], cluster: Cluster) -> Link:
@@ -362,11 +366,15 @@ def _estimate(
     sp_link = _group_link(config, world, (p.sp,) if p.sp else (), cluster)
     qkvo = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim
     sp_fwd = collective_time("all_to_all", tokens * qkvo * nbytes, s.sp, sp_link)
+    ep_link = _group_link(config, world, (p.ep,) if p.ep else (), cluster)
+    routed = tokens * shape.top_k * shape.width * nbytes  # each token to its experts and back
+    ep_fwd = 2 * collective_time("all_to_all", routed, s.ep, ep_link) if shape.experts else 0.0
+    comm_fwd = tp_fwd + sp_fwd + ep_fwd
     remat = _remat_share(config, shape.layers)
-    redo = {"save_nothing": fwd_compute + tp_fwd + sp_fwd, "save_matmuls": moved / bw}
+    redo = {"save_nothing": fwd_compute + comm_fwd, "save_matmuls": moved / bw}
     extra = remat * redo.get(mem.remat or "", 0.0)
-    layer_f = fwd_compute + tp_fwd + sp_fwd
-    layer_b = 2 * fwd_compute + tp_fwd + sp_fwd + extra
+    layer_f = fwd_compute + comm_fwd
+    layer_b = 2 * fwd_compute + comm_fwd + extra
 
     # -- a rank's stage: its blocks, and the head (the last stage) --------------------
     per_rank = shape.layers // s.pp
@@ -387,13 +395,14 @@ def _estimate(
     time: dict[str, float] = {}
     held = 1  # micro-batches whose activations a rank holds at once
     tp_exposed = per_rank * (2 + remat) * (tp_fwd + sp_fwd) * s.micro_batches
+    ep_exposed = per_rank * (2 + remat) * ep_fwd * s.micro_batches
     if s.pp > 1:
         pp_link = _group_link(config, world, (p.pp,), cluster)
         p2p = pp_link.time(hidden / (s.tp if split else 1))
         span, bubble, held = pipeline_time(
             p.pp_schedule, s.pp, s.micro_batches, p.pp_virtual, forward, backward, p2p, exact=exact
         )
-        time["compute"] = s.micro_batches * (forward + backward) - tp_exposed
+        time["compute"] = s.micro_batches * (forward + backward) - tp_exposed - ep_exposed
         time["bubble"] = bubble
         chunk_layers = per_rank * s.pp / _stages(p.pp_schedule, s.pp, p.pp_virtual)
         notes.append(
@@ -402,15 +411,17 @@ def _estimate(
             f"{held} stage-micro-batches in flight on the busiest rank"
         )
     else:
-        time["compute"] = s.micro_batches * (forward + backward) - tp_exposed
+        time["compute"] = s.micro_batches * (forward + backward) - tp_exposed - ep_exposed
         time["bubble"] = 0.0
         chunk_layers = per_rank
     time["tp_comm"] = tp_exposed
+    time["ep_comm"] = ep_exposed
     compute_window = time["compute"]
 
     # -- data parallelism: the ZeRO stage's collectives -------------------------------
     outer = shape.params - shape.layers * shape.block_params
-    grads_n = (per_rank * shape.block_params + outer) / s.tp  # elements this rank reduces
+    block = shape.block_params - shape.expert_params * (1 - 1 / s.ep)  # its share of the experts
+    grads_n = (per_rank * block + outer) / s.tp  # elements this rank reduces
     dp_axes = config.data_axes
     dp_link = _group_link(config, world, dp_axes, cluster)
     time["dp_comm"], overlappable = _dp_time(config, s, grads_n * nbytes, dp_link, remat)
@@ -440,7 +451,10 @@ def _estimate(
         memory["gathered"] = unit * nbytes * (2 if p.prefetch else 1) + unit * nbytes
     full = tokens * shape.layer_saved(seq, flash=flash, tp=s.tp, split_width=split) * nbytes
     inputs = tokens * shape.width / (s.tp if split else 1) * nbytes
-    kept = (1 - remat) * full + remat * inputs
+    if mem.remat == "save_matmuls":  # the matmuls' outputs: q, k, v, both projections, fc
+        qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim / s.tp
+        inputs = tokens * (qkv + 2 * shape.width + shape.mlp / s.tp) * nbytes
+    kept = (1 - remat) * full + remat * min(inputs, full)
     memory["activations"] = held * chunk_layers * kept + 2 * full  # + the block in backward
     memory["allocator"] = cluster.allocator_slack * _small_churn(
         shape, seq, tokens, nbytes, flash, s, split, remat, held * chunk_layers,
@@ -449,10 +463,11 @@ def _estimate(
     memory["logits"] = tokens * shape.vocab * 4 * 3  # fp32, log-softmax, their gradient
 
     model_flops = s.global_batch * seq * shape.flops_per_token(seq)
+    redone = remat if mem.remat == "save_nothing" else 0.0  # save_matmuls redoes no matmul
     hardware = (
         s.global_batch
         * seq
-        * (shape.flops_per_token(seq) + remat * shape.layers * shape.layer_flops(seq))
+        * (shape.flops_per_token(seq) + redone * shape.layers * shape.layer_flops(seq))
     )
     return Estimate(
         config, world, seq, s.global_batch * seq, time, memory, offloaded,

@@ -76,6 +76,8 @@ class ModelShape:
     block_params: int = attrs.field(validator=_positive)
     blocks: str = "blocks"  # the path of the nn.ModuleList of blocks
     experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    top_k: int = attrs.field(default=1, validator=_positive)  # experts a token meets
+    expert_params: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # per block
 
     def __attrs_post_init__(self) -> None:
         if self.kv_heads is None:
@@ -165,7 +167,8 @@ class ModelShape:
         tokens = [m for m in embeddings if m.num_embeddings == vocab] or embeddings
         width = tokens[0].embedding_dim
         block = blocks[0]
-        matmul, expert_count = _matmul_weights(block, _top_k(model, block))
+        top_k = _top_k(model, block)
+        matmul, expert_count = _matmul_weights(block, top_k)
         heads, kv_heads, head_dim = _attention(model, block, width)
         head = _head_matmul(model, blocks, vocab)
         return cls(
@@ -182,6 +185,8 @@ class ModelShape:
             block_params=sum(p.numel() for p in block.parameters()),
             blocks=blocks_path,
             experts=expert_count,
+            top_k=top_k if expert_count else 1,
+            expert_params=sum(p.numel() for p in block.parameters() if p.dim() == 3),
         )
 
 

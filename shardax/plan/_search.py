@@ -10,6 +10,7 @@ per sharding), the bubble by simulating the schedule (cached per shape).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -36,25 +37,33 @@ def _ints(value: Any) -> tuple[int, ...] | None:
 @attrs.frozen(kw_only=True)
 class Space:
     """The layouts :func:`search` tries. ``None`` picks for the model and
-    cluster: ``tp`` powers of two within a node dividing the heads; ``pp``
-    divisors of the blocks up to 64; ``micro`` (sequences per micro-batch)
-    powers of two up to 16.
+    cluster: ``tp`` and ``sp`` (Ulysses) powers of two within a node
+    dividing the heads; ``pp``
+    divisors of the blocks up to 64; ``ep``, for a mixture of experts,
+    powers of two dividing the experts (not with a pipeline); ``micro``
+    (sequences per micro-batch) powers of two up to 16. ``virtual``: the
+    stages per rank of the interleaved schedules; ``offload_opt``: where the
+    optimizer state may live (``"host"``, ``"disk:PATH"``).
 
     >>> Space(zero=(3,), remat=(None,))
-    Space(tp=None, pp=None, sp=(1,), zero=(3,), micro=None, schedules=('1f1b', 'interleaved_1f1b', 'zbv'), remat=(None,), sequence_parallel=(False, True), offload_opt=(None,))
+    Space(tp=None, pp=None, sp=None, ep=None, zero=(3,), micro=None, schedules=('1f1b', 'interleaved_1f1b', 'zbv'), virtual=(2,), remat=(None,), sequence_parallel=(False, True), offload_opt=(None, 'host'))
     """
 
     tp: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
     pp: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
-    sp: tuple[int, ...] = attrs.field(default=(1,), converter=_ints)
+    sp: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
+    ep: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
     zero: tuple[int, ...] = attrs.field(default=(0, 1, 2, 3), converter=_ints)
     micro: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
     schedules: tuple[str, ...] = attrs.field(
         default=("1f1b", "interleaved_1f1b", "zbv"), converter=tuple
     )
-    remat: tuple[str | None, ...] = attrs.field(default=(None, "save_nothing"), converter=tuple)
+    virtual: tuple[int, ...] = attrs.field(default=(2,), converter=_ints)
+    remat: tuple[str | None, ...] = attrs.field(
+        default=(None, "save_nothing", "save_matmuls"), converter=tuple
+    )
     sequence_parallel: tuple[bool, ...] = attrs.field(default=(False, True), converter=tuple)
-    offload_opt: tuple[str | None, ...] = attrs.field(default=(None,), converter=tuple)
+    offload_opt: tuple[str | None, ...] = attrs.field(default=(None, "host"), converter=tuple)
 
 
 @attrs.frozen
@@ -253,29 +262,30 @@ def _candidates(
     tps = space.tp or [t for t in _powers(cluster.devices_per_node) if shape.heads % t == 0]
     pps = space.pp or [p for p in range(1, min(64, shape.layers) + 1) if shape.layers % p == 0]
     micros = space.micro or _powers(16)
+    sps = space.sp or [u for u in _powers(cluster.devices_per_node) if shape.heads % u == 0]
+    eps = space.ep or [e for e in _powers(shape.experts) if shape.experts % e == 0] or [1]
     for t in tps:
         for p in pps:
-            for sp in space.sp:
-                if world % (t * p * sp):
-                    continue
-                dp = world // (t * p * sp)
-                if batch % dp:
-                    _count(left, "batch not divisible by the data ranks")
-                    continue
-                per_rank = batch // dp
-                for b in micros:
-                    if per_rank % b:
+            for sp in sps:
+                for ep in eps if p == 1 else [e for e in eps if e == 1]:  # no ep in stages yet
+                    if world % (t * p * sp * ep):
                         continue
-                    yield from _variants(space, t, p, sp, dp, b, per_rank, precision, optimizer,
-                                         left)  # fmt: skip
+                    dp = world // (t * p * sp * ep)
+                    if batch % (dp * ep):
+                        _count(left, "batch not divisible by the data ranks")
+                        continue
+                    per_rank = batch // (dp * ep)
+                    for b in micros:
+                        if per_rank % b:
+                            continue
+                        degrees = {"pp": p, "dp": dp, "ep": ep, "sp": sp, "tp": t}
+                        yield from _variants(space, degrees, b, per_rank, precision, optimizer,
+                                             left)  # fmt: skip
 
 
 def _variants(
     space: Space,
-    t: int,
-    p: int,
-    sp: int,
-    dp: int,
+    degrees: dict[str, int],
     b: int,
     per_rank: int,
     precision: str,
@@ -283,31 +293,36 @@ def _variants(
     left: dict[str, int],
 ) -> Iterator[RunConfig]:
     m = per_rank // b
-    mesh = {"pp": p, "dp": dp, "sp": sp, "tp": t}
-    mesh = {k: v for k, v in mesh.items() if v > 1 or k == "dp"}
-    schedules = space.schedules if p > 1 else ("1f1b",)
-    for zero in space.zero:
-        for remat in space.remat:
-            for seq_par in space.sequence_parallel if t > 1 else (False,):
-                for schedule in schedules:
-                    for offload in space.offload_opt:
-                        parallel: dict[str, Any] = {"zero": zero}
-                        if t > 1:
-                            parallel.update(tp="tp", sequence_parallel=seq_par)
-                        if sp > 1:
-                            parallel["sp"] = "sp"
-                        if p > 1:
-                            parallel.update(pp="pp", pp_schedule=schedule, pp_micro_batches=m)
-                            batch = {"global": per_rank * dp, "micro": per_rank}
-                        else:
-                            batch = {"global": per_rank * dp, "micro": b}
-                        data = {
-                            "mesh": mesh, "parallel": parallel, "batch": batch,
-                            "precision": {"params": precision},
-                            "optimizer": {"type": optimizer},
-                            "memory": {"remat": remat, "offload_opt": offload},
-                        }  # fmt: skip
-                        try:
-                            yield RunConfig.from_dict(data)
-                        except ConfigError:
-                            _count(left, "refused by the run config")
+    t, p, sp, ep = degrees["tp"], degrees["pp"], degrees["sp"], degrees["ep"]
+    rows = degrees["dp"] * ep  # the ranks that take their own rows of the batch
+    mesh = {k: v for k, v in degrees.items() if v > 1 or k == "dp"}
+    looped = ("interleaved_1f1b", "looped_bfs")  # the schedules that take virtual stages
+    schedules = (
+        [(name, v) for name in space.schedules for v in (space.virtual if name in looped else (2,))]
+        if p > 1
+        else [("1f1b", 2)]
+    )
+    seq_pars = space.sequence_parallel if t > 1 else (False,)
+    choices = itertools.product(space.zero, space.remat, seq_pars, schedules, space.offload_opt)
+    for zero, remat, seq_par, (schedule, virtual), offload in choices:
+        parallel: dict[str, Any] = {"zero": zero}
+        if t > 1:
+            parallel.update(tp="tp", sequence_parallel=seq_par)
+        if sp > 1:
+            parallel["sp"] = "sp"
+        if ep > 1:
+            parallel["ep"] = "ep"
+        if p > 1:
+            parallel.update(pp="pp", pp_schedule=schedule, pp_micro_batches=m, pp_virtual=virtual)
+            batch = {"global": per_rank * rows, "micro": per_rank}
+        else:
+            batch = {"global": per_rank * rows, "micro": b}
+        data = {
+            "mesh": mesh, "parallel": parallel, "batch": batch,
+            "precision": {"params": precision}, "optimizer": {"type": optimizer},
+            "memory": {"remat": remat, "offload_opt": offload},
+        }  # fmt: skip
+        try:
+            yield RunConfig.from_dict(data)
+        except ConfigError:
+            _count(left, "refused by the run config")

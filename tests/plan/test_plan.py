@@ -75,6 +75,28 @@ def test_example_gpt_and_its_experts():
     assert moe.block_matmul == 4 * d * d + d * 4 + 2 * (3 * f * d)
 
 
+def test_experts_split_over_ep_trade_state_for_all_to_alls():
+    import _tiny  # noqa: F401  (puts examples/ on the path)
+    from gpt import GPT, PRESETS
+
+    with torch.device("meta"):
+        model = GPT(PRESETS["bench"].replace(experts=8, top_k=2))
+    shape = sx.plan.ModelShape.of(model)
+    assert (shape.experts, shape.top_k) == (8, 2) and shape.expert_params > 0
+    cluster = sx.plan.Cluster.load("h100").with_nodes(2)
+    est = {}
+    for ep in (1, 2, 8):
+        mesh = {"dp": 16 // ep, **({"ep": ep} if ep > 1 else {})}
+        run = RunConfig.from_dict({"mesh": mesh, "parallel": {"ep": "ep"} if ep > 1 else {},
+                                   "batch": {"global": 64, "micro": 4}})  # fmt: skip
+        est[ep] = sx.plan.predict(run, model, cluster, seq=256)
+    experts = shape.layers * shape.expert_params * 4  # fp32 bytes of every expert
+    assert est[1].memory["params"] - est[2].memory["params"] == pytest.approx(experts / 2, rel=0.01)
+    assert est[1].time["ep_comm"] == 0 < est[2].time["ep_comm"] < est[8].time["ep_comm"]
+    ranking = sx.plan.search(model, cluster, batch=64, seq=256, space=sx.plan.Space(ep=(2,)))
+    assert all(" ep2 " in f" {layout_name(e)} " for e in ranking.plans)
+
+
 def test_a_model_without_blocks_is_refused():
     with pytest.raises(PlanError, match="blocks"):
         sx.plan.ModelShape.of(torch.nn.Linear(4, 4))
@@ -225,14 +247,15 @@ TABLE_1 = [
 def _paper_row(row):
     """The row's model, cluster and search over its own layout: its (t, p)
     with Megatron-LM's choices of 2021 — no ZeRO, full recomputation, 1F1B,
-    no sequence parallelism, attention scores materialised — the
+    no sequence parallelism, no offload, attention scores materialised — the
     micro-batch size (which the table does not give) left to the search."""
     billions, heads, hidden, layers, t, p, gpus, _, _ = row
     model = _gpt2(layers, hidden, heads)
     assert sum(x.numel() for x in model.parameters()) / 1e9 == pytest.approx(billions, rel=0.03)
     cluster = sx.plan.Cluster.load("a100-80gb").with_nodes(gpus // 8)
     own = sx.plan.Space(tp=(t,), pp=(p,), zero=(0,), remat=("save_nothing",),
-                        schedules=("1f1b",), sequence_parallel=(False,))  # fmt: skip
+                        schedules=("1f1b",), sequence_parallel=(False,),
+                        offload_opt=(None,))  # fmt: skip
     return model, cluster, own
 
 
