@@ -394,8 +394,9 @@ def _estimate(
     # -- the step: micro-batches through the pipeline, or one after another -----------
     time: dict[str, float] = {}
     held = 1  # micro-batches whose activations a rank holds at once
-    tp_exposed = per_rank * (2 + remat) * (tp_fwd + sp_fwd) * s.micro_batches
-    ep_exposed = per_rank * (2 + remat) * ep_fwd * s.micro_batches
+    again = remat if mem.remat == "save_nothing" else 0.0  # the recomputed forward's comm
+    tp_exposed = per_rank * (2 + again) * (tp_fwd + sp_fwd) * s.micro_batches
+    ep_exposed = per_rank * (2 + again) * ep_fwd * s.micro_batches
     if s.pp > 1:
         pp_link = _group_link(config, world, (p.pp,), cluster)
         p2p = pp_link.time(hidden / (s.tp if split else 1))
