@@ -36,14 +36,14 @@ def _ints(value: Any) -> tuple[int, ...] | None:
 
 @attrs.frozen(kw_only=True)
 class Space:
-    """The layouts :func:`search` tries. ``None`` picks for the model and
-    cluster: ``tp`` and ``sp`` (Ulysses) powers of two within a node
-    dividing the heads; ``pp``
-    divisors of the blocks up to 64; ``ep``, for a mixture of experts,
-    powers of two dividing the experts (not with a pipeline); ``micro``
-    (sequences per micro-batch) powers of two up to 16. ``virtual``: the
-    stages per rank of the interleaved schedules; ``offload_opt``: where the
-    optimizer state may live (``"host"``, ``"disk:PATH"``).
+    """The layouts :func:`search` tries, each field a tuple of choices.
+    ``None`` picks for the model and cluster: ``tp`` and ``sp`` (Ulysses)
+    powers of two within a node dividing the heads; ``pp`` divisors of the
+    blocks up to 64; ``ep``, for a mixture of experts, powers of two
+    dividing the experts (not with a pipeline); ``micro`` (sequences per
+    micro-batch) powers of two up to 16. ``virtual``: the stages per rank
+    of the interleaved schedules; ``offload_opt``: where the optimizer
+    state may live (``"host"``, ``"disk:PATH"``).
 
     >>> Space(zero=(3,), remat=(None,))
     Space(tp=None, pp=None, sp=None, ep=None, zero=(3,), micro=None, schedules=('1f1b', 'interleaved_1f1b', 'zbv'), virtual=(2,), remat=(None,), sequence_parallel=(False, True), offload_opt=(None, 'host'))
