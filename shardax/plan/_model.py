@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from ..errors import PlanError
+from ..errors import PlanError, ScheduleError
 
 __all__ = ["ModelShape"]
 
@@ -153,7 +153,7 @@ class ModelShape:
 
         try:
             blocks_path = find_blocks(model)
-        except Exception as err:
+        except ScheduleError as err:
             raise PlanError(f"the planner needs a transformer's blocks: {err}") from None
         blocks = model.get_submodule(blocks_path)
         embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
