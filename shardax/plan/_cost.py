@@ -156,11 +156,10 @@ def _sizes(config: RunConfig, world: int) -> _Sizes:
     )
 
 
-def _group_link(config: RunConfig, world: int, axes: tuple[str, ...], cluster: Cluster) -> Link:
-    """The link a collective over ``axes`` crosses: the network when its
-    ranks sit on more than one node (ranks are laid out in mesh order, the
-    last axis fastest), else the node's."""
-    mesh = config.abstract_mesh(world)
+def _group_link(mesh: Any, axes: tuple[str | None, ...], cluster: Cluster) -> Link:
+    """The link a collective over ``axes`` (of the abstract ``mesh``) crosses:
+    the network when its ranks sit on more than one node (ranks are laid out
+    in mesh order, the last axis fastest), else the node's."""
     names, sizes = mesh.axis_names, mesh.axis_sizes
     span = 1
     for axis in axes:
@@ -360,13 +359,14 @@ def _estimate(
     flops = tokens * shape.layer_flops(seq) / s.tp
     moved = tokens * shape.layer_traffic(seq, flash=flash, tp=s.tp, split_width=split) * nbytes
     fwd_compute = flops / rate + moved / bw
-    tp_link = _group_link(config, world, (p.tp,) if p.tp else (), cluster)
+    mesh = config.abstract_mesh(world)
+    tp_link = _group_link(mesh, (p.tp,), cluster)
     hidden = s.micro_size * seq * shape.width * nbytes  # one micro-batch's hidden states
     tp_fwd = 2 * collective_time("all_reduce", hidden, s.tp, tp_link)
-    sp_link = _group_link(config, world, (p.sp,) if p.sp else (), cluster)
+    sp_link = _group_link(mesh, (p.sp,), cluster)
     qkvo = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim
     sp_fwd = collective_time("all_to_all", tokens * qkvo * nbytes, s.sp, sp_link)
-    ep_link = _group_link(config, world, (p.ep,) if p.ep else (), cluster)
+    ep_link = _group_link(mesh, (p.ep,), cluster)
     routed = tokens * shape.top_k * shape.width * nbytes  # each token to its experts and back
     ep_fwd = 2 * collective_time("all_to_all", routed, s.ep, ep_link) if shape.experts else 0.0
     comm_fwd = tp_fwd + sp_fwd + ep_fwd
@@ -398,7 +398,7 @@ def _estimate(
     tp_exposed = per_rank * (2 + again) * (tp_fwd + sp_fwd) * s.micro_batches
     ep_exposed = per_rank * (2 + again) * ep_fwd * s.micro_batches
     if s.pp > 1:
-        pp_link = _group_link(config, world, (p.pp,), cluster)
+        pp_link = _group_link(mesh, (p.pp,), cluster)
         p2p = pp_link.time(hidden / (s.tp if split else 1))
         span, bubble, held = pipeline_time(
             p.pp_schedule, s.pp, s.micro_batches, p.pp_virtual, forward, backward, p2p, exact=exact
@@ -424,7 +424,7 @@ def _estimate(
     block = shape.block_params - shape.expert_params * (1 - 1 / s.ep)  # its share of the experts
     grads_n = (per_rank * block + outer) / s.tp  # elements this rank reduces
     dp_axes = config.data_axes
-    dp_link = _group_link(config, world, dp_axes, cluster)
+    dp_link = _group_link(mesh, dp_axes, cluster)
     time["dp_comm"], overlappable = _dp_time(config, s, grads_n * nbytes, dp_link, remat)
     hidden_part = 0.0 if s.pp > 1 else min(overlappable, cluster.overlap * compute_window)
     time["dp_comm"] -= hidden_part

@@ -176,7 +176,7 @@ def search(
     screened.sort(key=lambda item: item[0])
     plans = _refine(screened, model, cluster, world, seq, shape, attention, budget, top, left)
     if not plans:
-        raise _no_fit(smallest, budget, world, model, cluster, seq, shape, attention)
+        raise _no_fit(smallest, budget, world)
     return Ranking(tuple(plans), tried, left, budget)
 
 
@@ -221,16 +221,7 @@ def _state_key(config: RunConfig, world: int) -> Any:
             p.sequence_parallel, m.offload_opt, m.offload_params, m.offload_grads)  # fmt: skip
 
 
-def _no_fit(
-    smallest: tuple[float, Estimate] | None,
-    budget: float,
-    world: int,
-    model: nn.Module | None,
-    cluster: Cluster,
-    seq: int,
-    shape: ModelShape,
-    attention: str,
-) -> PlanError:
+def _no_fit(smallest: tuple[float, Estimate] | None, budget: float, world: int) -> PlanError:
     if smallest is None:
         return PlanError(f"no layout could be estimated on {world} devices")
     est = smallest[1]
