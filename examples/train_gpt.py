@@ -3,6 +3,7 @@ functional train step under ZeRO-3.
 
     shardax launch --nproc-per-node 2 examples/train_gpt.py     # 2 CPU ranks, about 2 minutes
     python examples/train_gpt.py --steps 5                      # one process, no launcher
+    shardax launch --nproc-per-node 2 examples/train_gpt.py --cp 2   # each sequence split in 2
 
 The model is the plain PyTorch GPT of ``examples/gpt.py``, built on the
 ``meta`` device; ``sx.init_params`` creates its parameters straight into
@@ -12,6 +13,14 @@ same values ``torch.manual_seed(seed); GPT(cfg)`` would give. Each step,
 block's parameters just before it runs and frees them after — and returns
 the loss (averaged over ranks) and the gradients, reduce-scattered into
 shards; the optimizer updates each rank's shards. The loop is yours.
+
+``--cp N`` adds an axis ``cp`` of size N to the mesh: context parallelism
+(``rules.context_parallel``), each rank of ``cp`` given its piece of every
+sequence (split zigzag, the run config's ``batch_spec``), attention run as
+ring attention, ZeRO sharding over ``cp`` too; the loss is each rank's
+cross-entropy of its piece, and the logged loss their mean (the seq_len of
+the preset must divide by 2N). Text is then sampled with the same
+parameters without the ring.
 
 Rank 0 prints the unigram baseline (the loss of a model that ignores
 context), the loss and throughput every ``--log-every`` steps, the
@@ -84,7 +93,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, PRESETS, generate, param_count
 
 import shardax as sx
-from shardax import P
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -196,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="pipeline stages: a pp axis added to the mesh, the blocks split over it",
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks: a cp axis added to the mesh, each rank its piece of every "
+        "sequence (split zigzag), attention as ring attention (rules.context_parallel); the "
+        "preset's seq_len must divide by 2x this",
     )
     parser.add_argument(
         "--schedule",
@@ -369,11 +385,8 @@ def run_config(
         )
         (data.setdefault(section, {}) if section else data)[key] = value
     mesh, parallel = dict(data.get("mesh") or {"dp": -1}), data.setdefault("parallel", {})
-    for axis in (
-        "tp",
-        "pp",
-        "ep",
-    ):  # --tp/--pp/--ep add the axis; an axis named so: its parallelism
+    # --tp/--pp/--ep/--cp add the axis; an axis named so: its parallelism
+    for axis in ("tp", "pp", "ep", "cp"):
         size = getattr(args, axis)
         if size > 1:
             if mesh.get(axis, size) != size:
@@ -392,6 +405,27 @@ def run_config(
         parallel["ep"] = "ep"
     data["mesh"] = mesh
     return sx.config.RunConfig.from_dict(data, str(args.config or "the command line"))
+
+
+def check_context(preset: str, cp: str, size: int) -> None:
+    """A ``ConfigError`` unless ``preset``'s sequence splits zigzag over
+    ``size`` context-parallel ranks (``2 * size`` equal chunks, two a rank).
+
+    >>> check_context("tiny", "cp", 4)
+    >>> check_context("tiny", "cp", 3)
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ConfigError: context parallelism over cp=3 splits each sequence zigzag into 6 equal chunks (two a rank), but preset 'tiny' has seq_len 64, not a multiple of 6: choose a --cp N with 64 a multiple of 2N (1, 2, 4, 8, 16, 32), or another --preset
+    """
+    seq_len = PRESETS[preset].seq_len
+    if seq_len % (2 * size):
+        fits = ", ".join(str(n) for n in range(1, seq_len // 2 + 1) if seq_len % (2 * n) == 0)
+        raise sx.config.ConfigError(
+            f"context parallelism over {cp}={size} splits each sequence zigzag into {2 * size} "
+            f"equal chunks (two a rank), but preset {preset!r} has seq_len {seq_len}, not a "
+            f"multiple of {2 * size}: choose a --cp N with {seq_len} a multiple of 2N ({fits}), "
+            "or another --preset"
+        )
 
 
 # -- --config: a run config and/or the options by name -----------------------------
@@ -546,6 +580,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--warmup must be in [0, --steps={args.steps})")
     try:
         args.run = run_config(args, args.given, file_run_config(args, data) if data else None)
+        cp = args.run.parallel.cp
+        if cp is not None and args.run.mesh[cp] > 0:  # else: checked once the world size is known
+            check_context(args.preset, cp, args.run.mesh[cp])
     except sx.config.ConfigError as err:
         parser.error(str(err))
     return args
@@ -778,6 +815,30 @@ class PhasePeaks:
         return f"peak RSS per rank (MiB, the most of any rank): {parts}; peak in {PHASES[top]}"
 
 
+def sampling_rules(run: sx.config.RunConfig) -> sx.Rules | None:
+    """The module rules to sample with, the same params as training's:
+    prompts grow one token at a time, so what splits the sequence —
+    Megatron's sequence parallelism over tp, Ulysses over sp, the ring over
+    cp — gives way to plain tensor parallelism and the experts' rule where
+    the run has them (every rank runs the whole sequence); None: the
+    params' own rules.
+
+    >>> sampling_rules(parse_args(["--cp", "2", "--mesh", "dp=1"]).run)
+    Rules()
+    >>> sampling_rules(parse_args([]).run) is None
+    True
+    """
+    p = run.parallel
+    if not (p.sequence_parallel or p.sp is not None or p.cp is not None):
+        return None
+    out = sx.rules.zero(0)  # no rules of its own: the params' layouts do the rest
+    if p.tp is not None:
+        out = sx.rules.megatron(p.tp) + out
+    if p.ep is not None:
+        out = sx.rules.experts(p.ep, tp=p.tp, batch=run.data_axes) + out
+    return out
+
+
 def _remat(run: sx.config.RunConfig) -> str:
     """The remat rule the run adds, as it prints."""
     return "; ".join(repr(r.remat) for r in run.make_rules().modules if r.remat is not None)
@@ -807,13 +868,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"parallel.ep ({run.parallel.ep!r}) splits experts over ranks, but the model has "
             "none: give --experts N (e.g. --experts 8 --top-k 2)"
         )
+    cp = run.parallel.cp  # context parallelism: each cp rank its piece of every sequence
+    if cp is not None:
+        check_context(args.preset, cp, mesh.size(cp))
     data_axes = run.data_axes  # with experts, the ep ranks take their own rows too
     batch = run.batch.resolve(run.dp_size(info.world_size))
     steps, accumulation = run.steps, batch.accumulation
     train = sx.data.TextDataset.tinyshakespeare(cfg.seq_len, split="train")
     val = sx.data.TextDataset.tinyshakespeare(cfg.seq_len, split="val")
     micro_global = batch.global_size // accumulation  # sequences per micro-step, all ranks
-    sampler = sx.data.Sampler(len(train), micro_global, mesh, P(data_axes), seed=run.seed)
+    spec = run.batch_spec  # the examples over the data axes; with cp, the sequence zigzag over it
+    sampler = sx.data.Sampler(len(train), micro_global, mesh, spec, seed=run.seed)
     precision = run.precision.params
     say(
         f"{mesh} on {info.world_size} rank(s); GPT {args.preset}: "
@@ -822,6 +887,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f" in {accumulation} micro-steps" if accumulation > 1 else "")
         + (f"; tensor parallel over {run.parallel.tp}" if run.parallel.tp else "")
         + (" with sequence parallelism" if run.parallel.sequence_parallel else "")
+        + (f"; context parallel over {cp} (ring attention, sequences split zigzag)" if cp else "")
         + (f"; {cfg.experts} experts, top-{cfg.top_k}" if cfg.experts else "")
         + (f", capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "")
         + (f", split over {run.parallel.ep}" if run.parallel.ep else "")
@@ -901,10 +967,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"resumed from {resume_from} at step {start}; {outcome}")
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
 
-    tp, sp = run.parallel.tp, run.parallel.sp  # tensor / Ulysses sequence parallelism axes
-
     def loss_fn(params: dict, batch: dict, scale: float) -> torch.Tensor:
-        # whole logits on every rank, under tp and sp too: a plain loss
+        # whole logits on every rank, under tp and sp too: a plain loss; under cp, the logits
+        # and targets of this rank's piece of each sequence (the value: the mean over ranks)
         return cross_entropy(sx.apply(model, params, batch["x"]), batch["y"]) * scale
 
     def logits_of(params: dict, x: torch.Tensor, rules: sx.Rules | None = None) -> torch.Tensor:
@@ -983,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics.close()
 
     phases.enter("eval")
-    val_sampler = sx.data.Sampler(len(val), micro_global, mesh, P(data_axes), shuffle=False)
+    val_sampler = sx.data.Sampler(len(val), micro_global, mesh, spec, shuffle=False)
     val_batches = list(sx.data.batches(val, val_sampler, num_steps=args.eval_batches))
     if not val_batches:
         val_loss = float("nan")
@@ -994,7 +1059,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         def val_loss_of(params: dict, b: dict) -> torch.Tensor:
             return cross_entropy(logits_of(params, b["x"]), b["y"])
 
-        val_loss = evaluate(val_loss_of, params, val_batches, mesh, list(data_axes))
+        # under cp each rank's loss is that of its piece (equal pieces): averaged over cp too
+        val_axes = [*data_axes, *([cp] if cp is not None else [])]
+        val_loss = evaluate(val_loss_of, params, val_batches, mesh, val_axes)
     say(f"val loss {val_loss:.4f} after {steps} steps in {elapsed:.0f} s")
     if record and val_batches:
         record[-1]["val_loss"] = val_loss
@@ -1011,12 +1078,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.sample_tokens > 0:
         phases.enter("sample")
         prompt = sx.data.TextDataset.encode(args.prompt)[None]
-        # Prompts grow one token at a time: sequence parallelism, which splits the
-        # sequence (over tp, or Ulysses over sp), gives way to plain tensor
-        # parallelism (same parameters), or to no module rules at all.
-        plain = sx.rules.megatron(tp) if tp is not None and run.parallel.sequence_parallel else None
-        if sp is not None:  # whole parameters under Ulysses: every rank runs the whole sequence
-            plain = sx.rules.zero(0)
+        plain = sampling_rules(run)
         out = generate(
             lambda idx: logits_of(params, idx, plain),
             prompt,

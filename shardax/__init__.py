@@ -44,6 +44,7 @@ from .mesh import init as init
 from .mesh import shutdown as shutdown
 from .shard import Blocks as Blocks
 from .shard import Explanation as Explanation
+from .shard import GlobalPositions as GlobalPositions
 from .shard import Layout as Layout
 from .shard import ModuleRule as ModuleRule
 from .shard import NamedSharding as NamedSharding
@@ -53,11 +54,15 @@ from .shard import Placement as Placement
 from .shard import Plan as Plan
 from .shard import Relayout as Relayout
 from .shard import Remat as Remat
+from .shard import Ring as Ring
+from .shard import RingAttention as RingAttention
 from .shard import Rule as Rule
 from .shard import Rules as Rules
+from .shard import SequencePiece as SequencePiece
 from .shard import Sharded as Sharded
 from .shard import SplitOutput as SplitOutput
 from .shard import Step as Step
+from .shard import Zigzag as Zigzag
 from .shard import apply as apply
 from .shard import blocks as blocks
 from .shard import explain as explain
@@ -71,6 +76,7 @@ from .shard import plan_transfer as plan_transfer
 from .shard import recomputing as recomputing
 from .shard import remat as remat
 from .shard import reshard as reshard
+from .shard import ring_attention as ring_attention
 from .shard import role_layout as role_layout
 from .shard import shard as shard
 from .shard import transfer as transfer
@@ -79,11 +85,13 @@ from .shard import uncounted as uncounted
 from .shard import value_and_grad as value_and_grad
 from .shard import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .shard import vocab_parallel_embedding as vocab_parallel_embedding
+from .shard import zigzag as zigzag
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "Explanation",
+    "GlobalPositions",
     "Placement",
     "Plan",
     "Step",
@@ -108,6 +116,9 @@ __all__ = [
     "PartitionSpec",
     "Relayout",
     "Remat",
+    "Ring",
+    "RingAttention",
+    "SequencePiece",
     "Rule",
     "Rules",
     "ShardingError",
@@ -116,6 +127,7 @@ __all__ = [
     "SplitOutput",
     "UnmatchedRulesWarning",
     "UnshardedWeightWarning",
+    "Zigzag",
     "apply",
     "blocks",
     "ckpt",
@@ -138,6 +150,7 @@ __all__ = [
     "recomputing",
     "remat",
     "reshard",
+    "ring_attention",
     "rules",
     "testing",
     "shard",
@@ -148,4 +161,5 @@ __all__ = [
     "value_and_grad",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
+    "zigzag",
 ]

@@ -206,6 +206,37 @@ def test_experts_in_a_config_split_the_batch_over_dp_and_ep():
     assert "x data-parallel 4" in plan
 
 
+def test_context_parallelism_in_a_config_shards_over_cp_and_splits_the_sequence():
+    """``parallel.cp``: ring attention over its axis, ZeRO over the data and
+    cp axes (cp ranks hold the same parameters and sum their gradients), the
+    batch's sequence split zigzag over cp while its examples stay split over
+    the data axis only; the plan says so, and the file round-trips."""
+    config = RunConfig.from_text(
+        'mesh: {dp: 2, cp: 2}\nparallel: {zero: 3, cp: "cp"}\nbatch: {global: 8, accumulation: 1}\n'
+    )
+    assert config.parallel.cp == "cp" and RunConfig.from_dict(config.to_dict()) == config
+    assert config.to_dict()["parallel"]["cp"] == "cp"
+    assert config.batch_spec == sx.P("dp", sx.zigzag("cp")) and config.dp_size(4) == 2
+    assert RunConfig().batch_spec == sx.P("dp") and RunConfig().parallel.cp is None
+    mesh = config.abstract_mesh(4)
+    rules = config.make_rules()
+    assert rules.spec_for("blocks.0.attn.qkv.weight", (24, 8), mesh) == sx.P(("dp", "cp"))
+    modules = {r.pattern: r for r in rules.modules}
+    assert modules["wpe"].inputs == (sx.GlobalPositions("cp"),)  # the piece's global positions
+    assert modules[r"blocks\.\d+\.attn"].within == sx.Ring("cp")  # attention: the ring over cp
+    assert str(config.make_rules(names="auto")).startswith("Rules(context_parallel('cp', names")
+    plan = config.plan(4)
+    assert "rules.zero(3, ('dp', 'cp')) + rules.context_parallel('cp')" in plan
+    assert "batch: global 8 = micro 4 x accumulation 1 x data-parallel 2" in plan
+    # with tensor parallelism and experts: the ring beside megatron; experts count the tokens
+    # of every rank the batch's tokens are split over (examples over dp and ep, sequence over cp)
+    both = RunConfig.from_dict({"mesh": {"dp": 1, "ep": 2, "cp": 2, "tp": 2},
+                                "parallel": {"zero": 1, "ep": "ep", "cp": "cp", "tp": "tp"}})  # fmt: skip
+    assert both.batch_spec == sx.P(("dp", "ep"), sx.zigzag("cp"))
+    assert "rules.experts('ep', tp='tp', batch=('dp', 'ep', 'cp'))" in both.plan(8)
+    assert "rules.zero(1, ('dp', 'ep', 'cp'))" in both.plan(8)
+
+
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])
 def test_shared_deepspeed_configs_convert(path):
     """Each real config converts, or is refused naming every key whose loss
@@ -427,6 +458,26 @@ def test_a_converted_deepspeed_config_trains_the_example_gpt(tmp_path):
         ),
         ('mesh: {dp: -1}\nparallel: {ep: "dp"}\n', "parallel.ep and parallel.zero_axis both name"),
         ('mesh: {dp: -1}\nparallel: {ep: "ep"}\n', "parallel.ep names mesh axis 'ep'"),
+        (
+            'mesh: {dp: -1, cp: 2}\nparallel: {\n  zero: 3\n  cp: "dp"\n}\n',
+            "run.hjson:4: parallel.cp and parallel.zero_axis both name the axis 'dp': context "
+            "parallelism needs an axis of its own",
+        ),
+        (
+            'mesh: {dp: -1, tp: 2}\nparallel: {tp: "tp", cp: "tp"}\n',
+            "run.hjson:2: parallel.cp and parallel.tp both name the axis 'tp'",
+        ),
+        ('mesh: {dp: -1, ep: 2}\nparallel: {ep: "ep", cp: "ep"}\n', "parallel.cp and parallel.ep"),
+        ('mesh: {dp: -1, sp: 2}\nparallel: {sp: "sp", cp: "sp"}\n', "parallel.cp and parallel.sp"),
+        ('mesh: {dp: -1, pp: 2}\nparallel: {pp: "pp", cp: "pp"}\n', "parallel.cp and parallel.pp"),
+        (
+            'mesh: {dp: -1, cp: 2}\nparallel: {cp: "cpp"}\n',
+            "run.hjson:2: parallel.cp names mesh axis 'cpp' (did you mean 'cp'?), but the mesh",
+        ),
+        (
+            "mesh: {dp: -1, cp: 2}\n",
+            "mesh axis 'cp' (size 2) of {'dp': -1, 'cp': 2} is used by no preset",
+        ),
         (
             'schedule: {type: "one_cycle_linear"}\n',
             "run.hjson: schedule.up_steps is needed by schedule one_cycle_linear",

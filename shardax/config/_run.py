@@ -85,30 +85,8 @@ class RunConfig:
                 + (" and leave steps to decay" if decays else "")
                 + "; lower warmup_steps or raise the total"
             )
-        p, axes = self.parallel, sorted(self.mesh)
-        named = [("parallel.zero_axis", p.zero_axis if p.zero else None),
-                 ("parallel.tp", p.tp), ("parallel.sp", p.sp), ("parallel.pp", p.pp),
-                 ("parallel.ep", p.ep)]  # fmt: skip
-        for key, axis in named:
-            if axis is not None and axis not in self.mesh:
-                close = difflib.get_close_matches(axis, axes, n=1, cutoff=0.5)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(
-                    f"{key} names mesh axis {axis!r}{hint}, but the mesh {self.mesh} has axes "
-                    f"{axes}; add it to mesh or name one of those"
-                )
-        # the data axis splits the batch even at ZeRO-0
-        used = {p.zero_axis, p.tp, p.sp, p.pp, p.ep}
-        idle = [a for a, n in self.mesh.items() if n != 1 and a not in used]
-        if idle:
-            raise ConfigError(
-                f"mesh axis {idle[0]!r} (size {self.mesh[idle[0]]}) of {self.mesh} is used by no "
-                f"preset: its ranks would only repeat each other's work. Name it as "
-                f"parallel.tp (tensor parallelism), parallel.sp (Ulysses), parallel.pp "
-                f"(pipeline) or parallel.ep (experts), make it the data axis "
-                f"(parallel.zero_axis), or give it size 1"
-            )
-        if p.pp is not None:
+        _check_axes(self)
+        if self.parallel.pp is not None:
             _check_pipeline(self)
 
     @classmethod
@@ -192,9 +170,42 @@ class RunConfig:
         return tuple(a for a in (p.zero_axis, p.ep) if a in self.mesh)
 
     @property
+    def batch_spec(self) -> Any:
+        """The spec a batch is split by (``sx.data.Sampler``,
+        ``sx.data.shard_batch``): its examples over :attr:`data_axes` and,
+        with ``parallel.cp``, its sequence (dim 1) zigzag over the ``cp``
+        axis, which balances causal ring attention's work over the ranks (a
+        data axis the mesh lacks splits nothing).
+
+        >>> RunConfig().batch_spec
+        P('dp')
+        >>> RunConfig.from_dict({"mesh": {"dp": 2, "cp": 2}, "parallel": {"cp": "cp"}}).batch_spec
+        P('dp', zigzag('cp'))
+        """
+        from ..shard import P, zigzag
+
+        examples = tuple(a for a in self.data_axes if a in self.mesh) or None
+        cp = self.parallel.cp
+        return P(examples) if cp is None else P(examples, zigzag(cp))
+
+    @property
     def _zero_axes(self) -> str | tuple[str, ...]:
-        """What ``rules.zero`` shards over: the data axis, or with experts every data axis."""
-        return self.data_axes if self.parallel.ep is not None else self.parallel.zero_axis
+        """What ``rules.zero`` shards over: the data axis, or with experts
+        every data axis; and the ``cp`` axis with context parallelism — its
+        ranks hold the same parameters and sum their gradients, as data
+        ranks do (torchtitan's FSDP over dp_shard × cp)."""
+        p = self.parallel
+        axes = self.data_axes if p.ep is not None else (p.zero_axis,)
+        if p.cp is not None:
+            axes = (*axes, p.cp)
+        return axes if len(axes) > 1 else axes[0]
+
+    @property
+    def _token_axes(self) -> tuple[str, ...]:
+        """The axes the batch's tokens are split over: :attr:`data_axes`
+        (the examples) and ``parallel.cp`` (the sequence)."""
+        cp = self.parallel.cp
+        return self.data_axes if cp is None else (*self.data_axes, cp)
 
     def dp_size(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks: the size of the
@@ -204,8 +215,17 @@ class RunConfig:
 
     def make_rules(self, names: Any = None) -> Any:
         """The rules the presets give: ``rules.zero`` (+ ``rules.experts``,
-        ``rules.megatron`` / ``rules.ulysses`` with ``names``, ``rules.remat``,
-        ``rules.offload``)."""
+        ``rules.megatron`` / ``rules.ulysses`` / ``rules.context_parallel``
+        with ``names``, ``rules.remat``, ``rules.offload``).
+
+        >>> run = RunConfig.from_dict({"mesh": {"dp": 2, "cp": 2},
+        ...                            "parallel": {"zero": 3, "cp": "cp"}})
+        >>> rules = run.make_rules()  # parameters split over dp and cp, the ring over cp
+        >>> [r.within for r in rules.modules if r.within is not None]
+        [Ring('cp')]
+        >>> rules.spec_for("wte.weight", (256, 64), run.abstract_mesh(4))
+        P(('dp', 'cp'))
+        """
         from .. import rules
 
         p = self.parallel
@@ -215,8 +235,10 @@ class RunConfig:
             out = rules.megatron(p.tp, sequence_parallel=p.sequence_parallel, **extra) + out
         if self.parallel.sp is not None:
             out = rules.ulysses(self.parallel.sp, **extra) + out
+        if p.cp is not None:  # ring attention around (inside it, Ulysses' all-to-alls: USP)
+            out = rules.context_parallel(p.cp, **extra) + out
         if p.ep is not None:  # first: the experts' own layout, inside each expert tp's
-            out = rules.experts(p.ep, tp=p.tp, batch=self.data_axes) + out
+            out = rules.experts(p.ep, tp=p.tp, batch=self._token_axes) + out
         return out
 
     def make_schedule(self) -> Callable[[int], float]:
@@ -326,42 +348,76 @@ class RunConfig:
     def plan(self, world_size: int) -> str:
         """The resolved plan on ``world_size`` ranks, as ``shardax config
         check`` prints it."""
-        mesh = self.abstract_mesh(world_size)
-        batch = self.batch.resolve(self.dp_size(world_size))
-        p, o, s = self.parallel, self.optimizer, self.schedule
-        presets = [f"rules.zero({p.zero}, {self._zero_axes!r})"]
-        if p.tp:
-            presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
-        if p.sp:
-            presets.append(f"rules.ulysses({p.sp!r})")
-        if p.ep:  # first, as make_rules puts them
-            presets.insert(0, f"rules.experts({p.ep!r}, tp={p.tp!r}, batch={self.data_axes!r})")
-        lr = self.make_schedule()
-        total = s.total_steps or self.steps
-        return "\n".join(
-            [
-                f"mesh: {mesh!r} on {world_size} rank(s)",
-                f"presets: {' + '.join(presets)}; gradient buckets {p.bucket_bytes / 2**20:g} MiB",
-                f"batch: global {batch.global_size} = micro {batch.micro} x accumulation "
-                f"{batch.accumulation} x data-parallel {self.dp_size(world_size)}",
-                f"optimizer: {o.type}(lr={o.lr:g}, betas={tuple(o.betas)}, eps={o.eps:g}, "
-                f"weight_decay={o.weight_decay:g}"
-                + (", bias_correction=False)" if not o.bias_correction else ")")
-                + (
-                    f", clipped at global norm {o.clip_global_norm:g}" if o.clip_global_norm else ""
-                ),
-                _schedule_line(s, lr, total),
-                f"precision: {self.precision.params}"
-                + (" with fp32 master weights" if self.precision.params != "fp32" else "")
-                + (", dynamic loss scale" if self.precision.params == "fp16" else "")
-                + (", floating inputs cast to it" if self.precision.cast_inputs else ""),
-                f"steps: {self.steps}, seed {self.seed}",
-                f"checkpoint: {self.checkpoint.dir} every {self.checkpoint.every or 'end'}, "
-                f"keep {self.checkpoint.keep}",
-                f"monitor: every {self.monitor.log_every} steps to {', '.join(self.monitor.writers)}",
-                *_memory_lines(self.memory),
-            ]
+        return _plan_text(self, world_size)
+
+
+def _check_axes(run: RunConfig) -> None:
+    """Every axis a preset names is one of the mesh's, and every mesh axis
+    of size > 1 is some preset's (else its ranks would repeat each other)."""
+    p, axes = run.parallel, sorted(run.mesh)
+    named = [("parallel.zero_axis", p.zero_axis if p.zero else None),
+             ("parallel.tp", p.tp), ("parallel.sp", p.sp), ("parallel.pp", p.pp),
+             ("parallel.ep", p.ep), ("parallel.cp", p.cp)]  # fmt: skip
+    for key, axis in named:
+        if axis is not None and axis not in run.mesh:
+            close = difflib.get_close_matches(axis, axes, n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{key} names mesh axis {axis!r}{hint}, but the mesh {run.mesh} has axes "
+                f"{axes}; add it to mesh or name one of those"
+            )
+    # the data axis splits the batch even at ZeRO-0
+    used = {p.zero_axis, p.tp, p.sp, p.pp, p.ep, p.cp}
+    idle = [a for a, n in run.mesh.items() if n != 1 and a not in used]
+    if idle:
+        raise ConfigError(
+            f"mesh axis {idle[0]!r} (size {run.mesh[idle[0]]}) of {run.mesh} is used by no "
+            f"preset: its ranks would only repeat each other's work. Name it as "
+            f"parallel.tp (tensor parallelism), parallel.sp (Ulysses), parallel.pp "
+            f"(pipeline), parallel.ep (experts) or parallel.cp (context parallelism), "
+            f"make it the data axis "
+            f"(parallel.zero_axis), or give it size 1"
         )
+
+
+def _plan_text(run: RunConfig, world_size: int) -> str:
+    """:meth:`RunConfig.plan`."""
+    mesh = run.abstract_mesh(world_size)
+    batch = run.batch.resolve(run.dp_size(world_size))
+    p, o, s = run.parallel, run.optimizer, run.schedule
+    presets = [f"rules.zero({p.zero}, {run._zero_axes!r})"]
+    if p.tp:
+        presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
+    if p.sp:
+        presets.append(f"rules.ulysses({p.sp!r})")
+    if p.cp:
+        presets.append(f"rules.context_parallel({p.cp!r})")
+    if p.ep:  # first, as make_rules puts them
+        presets.insert(0, f"rules.experts({p.ep!r}, tp={p.tp!r}, batch={run._token_axes!r})")
+    lr = run.make_schedule()
+    total = s.total_steps or run.steps
+    return "\n".join(
+        [
+            f"mesh: {mesh!r} on {world_size} rank(s)",
+            f"presets: {' + '.join(presets)}; gradient buckets {p.bucket_bytes / 2**20:g} MiB",
+            f"batch: global {batch.global_size} = micro {batch.micro} x accumulation "
+            f"{batch.accumulation} x data-parallel {run.dp_size(world_size)}",
+            f"optimizer: {o.type}(lr={o.lr:g}, betas={tuple(o.betas)}, eps={o.eps:g}, "
+            f"weight_decay={o.weight_decay:g}"
+            + (", bias_correction=False)" if not o.bias_correction else ")")
+            + (f", clipped at global norm {o.clip_global_norm:g}" if o.clip_global_norm else ""),
+            _schedule_line(s, lr, total),
+            f"precision: {run.precision.params}"
+            + (" with fp32 master weights" if run.precision.params != "fp32" else "")
+            + (", dynamic loss scale" if run.precision.params == "fp16" else "")
+            + (", floating inputs cast to it" if run.precision.cast_inputs else ""),
+            f"steps: {run.steps}, seed {run.seed}",
+            f"checkpoint: {run.checkpoint.dir} every {run.checkpoint.every or 'end'}, "
+            f"keep {run.checkpoint.keep}",
+            f"monitor: every {run.monitor.log_every} steps to {', '.join(run.monitor.writers)}",
+            *_memory_lines(run.memory),
+        ]
+    )
 
 
 def _optimizer(o: OptimizerConfig, lr: Callable[[int], float]) -> Any:

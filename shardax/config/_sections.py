@@ -40,8 +40,11 @@ class ParallelConfig:
     ``pp_virtual`` stages per rank where the schedule takes several; ``ep``
     — the axis of ``rules.experts`` (mixture-of-experts layers: each rank
     holds its experts; the ``ep`` ranks take their own rows of the batch,
-    as the data axis's do);
-    ``bucket_bytes`` of gradient reductions; ``prefetch`` of ZeRO-3 gathers."""
+    as the data axis's do); ``cp`` — the axis of ``rules.context_parallel``
+    (ring attention: the ``cp`` ranks take their own piece of each
+    sequence, split zigzag, and ZeRO shards over them too, as over the data
+    axis); ``bucket_bytes`` of gradient reductions; ``prefetch`` of ZeRO-3
+    gathers."""
 
     zero: int = attrs.field(default=0, converter=_as_int("zero"))
     zero_axis: str = attrs.field(default="dp", converter=_as_str("zero_axis"))
@@ -50,6 +53,7 @@ class ParallelConfig:
     sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
     pp: str | None = attrs.field(default=None, converter=_optional(_as_str, "pp"))
     ep: str | None = attrs.field(default=None, converter=_optional(_as_str, "ep"))
+    cp: str | None = attrs.field(default=None, converter=_optional(_as_str, "cp"))
     pp_schedule: str = attrs.field(default="1f1b", validator=_in(PP_SCHEDULES))
     pp_micro_batches: int | None = attrs.field(
         default=None, converter=_optional(_as_int, "pp_micro_batches"), validator=_positive
@@ -62,16 +66,23 @@ class ParallelConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"parallel.zero is a ZeRO stage 0..3; got {self.zero!r}")
+            raise ConfigError(f"zero is a ZeRO stage 0..3; got {self.zero!r}")
         if self.sequence_parallel and self.tp is None:
-            raise ConfigError("parallel.sequence_parallel needs parallel.tp (the tensor axis)")
+            raise ConfigError("sequence_parallel needs parallel.tp (the tensor axis)")
         named = [("zero_axis", self.zero_axis), ("tp", self.tp), ("sp", self.sp), ("pp", self.pp)]
         for key, axis in named:
             if self.ep is not None and axis == self.ep:
                 raise ConfigError(
-                    f"parallel.ep and parallel.{key} both name the axis {self.ep!r}: experts need "
+                    f"ep and parallel.{key} both name the axis {self.ep!r}: experts need "
                     "an axis of their own (a mesh of {'dp': ..., 'ep': ...} splits the data "
                     "ranks into expert groups)"
+                )
+        for key, axis in [*named, ("ep", self.ep)]:
+            if self.cp is not None and axis == self.cp:
+                raise ConfigError(
+                    f"cp and parallel.{key} both name the axis {self.cp!r}: context "
+                    "parallelism needs an axis of its own (a mesh of {'dp': ..., 'cp': ...} "
+                    "splits each data rank's sequences over its cp ranks)"
                 )
 
 

@@ -4,7 +4,9 @@ Every rank computes the same global order of the examples for an epoch (a
 permutation that depends only on the seed and the epoch) and cuts the same
 global batch out of it at each step; then each rank keeps the part the data
 axes give it — the rows :func:`shard_batch` would give it of the whole batch.
-So each rank loads only its own examples, and nothing is communicated.
+So each rank loads only its own examples, and nothing is communicated. A
+sequence split (the spec's second entry) cuts each loaded example, so
+:func:`batches` does it, batch by batch.
 """
 
 from __future__ import annotations
@@ -45,7 +47,11 @@ class Sampler:
     step's global batch is the next ``global_batch_size`` examples of that
     order; this rank gets its piece of it over the data axes of ``spec``
     (chunk semantics, like :func:`shard_batch`): ranks that differ only along
-    other axes (``tp``) load the same examples.
+    other axes (``tp``) load the same examples. A second spec entry, the axes
+    splitting the sequence (``P("dp", zigzag("cp"))``), does not change which
+    examples a rank loads — the ``cp`` ranks of a ``dp`` coordinate load the
+    same ones — but :func:`batches` cuts each loaded batch's sequence to this
+    rank's part.
 
     Iterating yields lists of indices from ``start_step`` on, across epochs,
     without end (take what you need: ``itertools.islice``); that also makes it
@@ -60,7 +66,10 @@ class Sampler:
             of the data axes' size.
         mesh: the mesh (a live one, or an :class:`~shardax.AbstractMesh` with
             ``rank``).
-        spec: one entry: the axes splitting each batch, e.g. ``P("dp")``.
+        spec: the axes splitting the examples of each batch, e.g.
+            ``P("dp")``; optionally a second entry splitting the sequence,
+            e.g. ``P("dp", "cp")`` or ``P("dp", zigzag("cp"))`` (see
+            :func:`shard_batch`; :func:`batches` applies it).
         shuffle: a fresh permutation each epoch; False: ``0, 1, 2, ...``.
         seed: a non-negative int.
         drop_last: drop the examples of each epoch that do not fill a
@@ -84,6 +93,10 @@ class Sampler:
     (2, 2)
     >>> mesh = sx.AbstractMesh({"dp": 2, "tp": 2})
     >>> [sx.data.Sampler(8, 4, mesh, shuffle=False, rank=r).indices(1) for r in range(4)]
+    [[4, 5], [4, 5], [6, 7], [6, 7]]
+    >>> mesh = sx.AbstractMesh({"dp": 2, "cp": 2})
+    >>> spec = sx.P("dp", sx.zigzag("cp"))
+    >>> [sx.data.Sampler(8, 4, mesh, spec, shuffle=False, rank=r).indices(1) for r in range(4)]
     [[4, 5], [4, 5], [6, 7], [6, 7]]
     """
 
@@ -230,7 +243,10 @@ def batches(
 
     ``dataset[i]`` is one example, a pytree of tensors (or numbers), e.g.
     ``{"x": ..., "y": ...}``; a batch is the same pytree with the examples
-    stacked on a new dim 0. Single process, no workers, deterministic.
+    stacked on a new dim 0. Single process, no workers, deterministic. When
+    the sampler's spec splits the sequence too (a second entry), each batch
+    keeps this rank's part of dim 1 of every leaf of two dims or more, as
+    :func:`shard_batch` would (the other leaves whole).
 
     Args:
         dataset: indexable by int; ``len(dataset)``, when it has one, must
@@ -247,6 +263,15 @@ def batches(
     ...     print(batch["x"].tolist(), batch["y"].tolist())
     [[4, 4], [5, 5]] [4, 5]
     [[0, 0], [1, 1]] [0, 1]
+
+    The sequence split zigzag over ``cp`` (rank 1 is ``dp`` 0, ``cp`` 1):
+
+    >>> data = [{"x": torch.arange(8) + 10 * i, "y": torch.tensor(i)} for i in range(4)]
+    >>> mesh, spec = sx.AbstractMesh({"dp": 2, "cp": 2}), sx.P("dp", sx.zigzag("cp"))
+    >>> sampler = sx.data.Sampler(4, 4, mesh, spec, shuffle=False, rank=1)
+    >>> batch = next(sx.data.batches(data, sampler))
+    >>> batch["x"].tolist(), batch["y"].tolist()
+    ([[2, 3, 4, 5], [12, 13, 14, 15]], [0, 1])
     """
     if not isinstance(sampler, Sampler):
         raise TypeError(f"batches needs a shardax.data.Sampler; got {sampler!r}")
@@ -259,7 +284,8 @@ def batches(
     steps: Iterator[list[int]] = sampler.iter_from(start)
     if num_steps is not None:
         steps = itertools.islice(steps, _check_int("num_steps", num_steps, 0))
-    return (_stack(dataset, idx) for idx in steps)
+    split = sampler._split
+    return (split.split_sequence(_stack(dataset, idx)) for idx in steps)
 
 
 def _stack(dataset: Any, indices: Sequence[int]) -> Any:

@@ -16,6 +16,7 @@ from ..shard._matching import Rules as Rules
 from ..shard._modules import ModuleRule as ModuleRule
 from ..shard._modules import Relayout as Relayout
 from ..shard._placement import ShardOver as ShardOver
+from ._context import context_parallel as context_parallel
 from ._experts import experts as experts
 from ._megatron import megatron as megatron
 from ._names import GPT2_NAMES as GPT2_NAMES
@@ -37,6 +38,7 @@ __all__ = [
     "Rules",
     "ShardOver",
     "TransformerNames",
+    "context_parallel",
     "experts",
     "megatron",
     "offload",

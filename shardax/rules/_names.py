@@ -41,7 +41,9 @@ class TransformerNames:
     cannot say it: their forward reshapes by the input's length), and
     those whose ``attention_sizes`` (integer attributes counting all heads'
     features, GPT-2's ``split_size``) run divided by the axis size
-    (:func:`shardax.local_sizes`); ``column_sizes`` — the same for the
+    (:func:`shardax.local_sizes`), and whose
+    ``scaled_dot_product_attention`` calls context parallelism runs as ring
+    attention; ``column_sizes`` — the same for the
     column modules (``Conv1D``'s output width ``nf``); ``packed`` — column modules whose output
     packs q, k and v side by side (GPT-2's ``c_attn``): split block by
     block (:func:`shardax.blocks`), each rank keeping its heads of each;
@@ -51,14 +53,17 @@ class TransformerNames:
     gathered at its output instead of at the head's input;
     ``transposed`` — the linears store ``[in, out]`` weights
     (``transformers``' ``Conv1D``), not ``nn.Linear``'s ``[out, in]``;
-    ``replicated`` — modules whose parameters stay whole under tensor
+    ``rotary`` — the rotary position embedding module called with the
+    position ids (Llama's ``model.rotary_emb``), which context parallelism
+    gives the global positions of each rank's piece of the sequence (as
+    ``positions``' input); ``replicated`` — modules whose parameters stay whole under tensor
     parallelism on purpose (a learned position embedding): they get an
     explicit ``P()`` rule, so :class:`shardax.UnshardedWeightWarning`,
     which names the weight matrices ``rules.megatron`` leaves whole, does
     not name them.
 
     >>> TransformerNames(column=r"layers\\.\\d+\\.fc1", row=r"layers\\.\\d+\\.fc2")
-    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None, attention=None, attention_sizes=(), column_sizes=(), packed=None, final=None, transposed=False, replicated=None)
+    TransformerNames(column='layers\\\\.\\\\d+\\\\.fc1', row='layers\\\\.\\\\d+\\\\.fc2', vocab=None, head=None, positions=None, attention_in=None, attention_out=None, regions=None, attention=None, attention_sizes=(), column_sizes=(), packed=None, final=None, transposed=False, replicated=None, rotary=None)
     """
 
     column: str = attrs.field(validator=_is_regex)
@@ -76,6 +81,7 @@ class TransformerNames:
     final: str | None = attrs.field(default=None, validator=_is_regex)
     transposed: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     replicated: str | None = attrs.field(default=None, validator=_is_regex)
+    rotary: str | None = attrs.field(default=None, validator=_is_regex)
 
     def __attrs_post_init__(self) -> None:
         if self.attention_sizes and self.attention is None:
@@ -109,6 +115,7 @@ GPT_NAMES = TransformerNames(
     attention_in=r"blocks\.\d+\.attn\.qkv",
     attention_out=r"blocks\.\d+\.attn\.proj",
     regions=r"blocks\.\d+\.(attn|mlp)",
+    attention=r"blocks\.\d+\.attn",
     replicated=r"wpe|blocks\.\d+\.mlp\.router",
 )
 """The module names of the example GPT (``examples/gpt.py``, GPT-2's); its
@@ -123,6 +130,7 @@ LLAMA_NAMES = TransformerNames(
     regions=r"model\.layers\.\d+\.(self_attn|mlp)",
     attention=r"model\.layers\.\d+\.self_attn",
     replicated=r"model\.layers\.\d+\.mlp\.(gate|shared_expert_gate)",
+    rotary=r"model\.rotary_emb",
 )
 """Hugging Face ``transformers``' ``LlamaForCausalLM`` (and the models that
 share its layout: Mistral, Qwen2): q/k/v, gate and up column-parallel, o and

@@ -39,12 +39,19 @@ from ._random import manual_seed as manual_seed
 from ._remat import Remat as Remat
 from ._remat import recomputing as recomputing
 from ._remat import remat as remat
+from ._ring import ring_attention as ring_attention
+from ._ring_modes import GlobalPositions as GlobalPositions
+from ._ring_modes import Ring as Ring
+from ._ring_modes import RingAttention as RingAttention
+from ._ring_modes import SequencePiece as SequencePiece
 from ._sharded import Sharded as Sharded
 from ._spec import Blocks as Blocks
 from ._spec import NamedSharding as NamedSharding
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
+from ._spec import Zigzag as Zigzag
 from ._spec import blocks as blocks
+from ._spec import zigzag as zigzag
 from ._tensor_parallel import local_sizes as local_sizes
 from ._tensor_parallel import ulysses_attention as ulysses_attention
 from ._tensor_parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
@@ -54,6 +61,7 @@ from ._transfer import transfer as transfer
 __all__ = [
     "Blocks",
     "Explanation",
+    "GlobalPositions",
     "Layout",
     "ModuleRule",
     "NamedSharding",
@@ -63,12 +71,16 @@ __all__ = [
     "Plan",
     "Relayout",
     "Remat",
+    "Ring",
+    "RingAttention",
+    "SequencePiece",
     "Rule",
     "Rules",
     "ShardOver",
     "Sharded",
     "SplitOutput",
     "Step",
+    "Zigzag",
     "apply",
     "blocks",
     "explain",
@@ -82,6 +94,7 @@ __all__ = [
     "recomputing",
     "remat",
     "reshard",
+    "ring_attention",
     "role_layout",
     "shard",
     "transfer",
@@ -90,4 +103,5 @@ __all__ = [
     "value_and_grad",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
+    "zigzag",
 ]

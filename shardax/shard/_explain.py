@@ -320,9 +320,10 @@ def explain(
     if rules is not None:  # a module rule's forward may say what it does on this mesh
         tensors = {r.path: (r.shape, r.dtype.itemsize) for r in rows}
         for module_rule in rules.modules:
-            describe = getattr(module_rule.forward, "explain", None)
-            if describe is not None:
-                notes += describe(module_rule.pattern, tensors, mesh)
+            for part in (module_rule.forward, module_rule.within):
+                describe = getattr(part, "explain", None)
+                if describe is not None:
+                    notes += describe(module_rule.pattern, tensors, mesh)
     abstract = mesh.abstract
     return Explanation(
         abstract,

@@ -465,6 +465,13 @@ def fit_spec(
         sharding = NamedSharding(mesh, spec)
     except ShardingError as err:
         raise ShardingError(f"{where}{err}{src}") from None
+    if sharding.spec.zigzagged:
+        raise ShardingError(
+            f"{where}{spec!r}{src} on {mesh!r} splits a dim zigzag, which lays out batches "
+            "(sx.data) and activations under rules.context_parallel, not parameters or other "
+            "stored tensors; split the dim plainly (P('cp') rather than P(zigzag('cp'))) or "
+            "with blocks(...)"
+        )
     sharding.check_shape(shape, path=path, source=src)
     for d, (size, k) in enumerate(zip(shape, sharding.spec.dim_blocks(len(shape)), strict=True)):
         if size % k:

@@ -195,14 +195,25 @@ Forward = Callable[..., Any]
 sharded; its parameters are its compute-layout pieces."""
 
 
-def _relayouts(value: Any) -> tuple[Relayout | None, ...]:
+def _is_input_move(r: Any) -> bool:
+    """A :class:`Relayout`, or another input transform of its protocol
+    (``r(t, mesh, where)``: :class:`shardax.GlobalPositions`, the check of
+    a batch's sequence split ``rules.context_parallel`` makes)."""
+    from ._ring_modes import GlobalPositions, SequencePiece
+
+    return isinstance(r, Relayout | GlobalPositions | SequencePiece)
+
+
+def _relayouts(value: Any) -> tuple[Any, ...]:
     if value is None:
         return ()
-    items = (value,) if isinstance(value, Relayout) else tuple(value)
+    items = (value,) if _is_input_move(value) else tuple(value)
     for r in items:
-        if r is not None and not isinstance(r, Relayout):
+        if r is not None and not _is_input_move(r):
             raise ShardingError(
-                f"ModuleRule inputs are Relayout or None (one per argument); got {r!r}"
+                "ModuleRule inputs are Relayout, GlobalPositions, SequencePiece or None (one per "
+                "argument); "
+                f"got {r!r}"
             )
     return items
 
@@ -230,14 +241,13 @@ class ModuleRule:
     """
 
     pattern: str
-    inputs: tuple[Relayout | None, ...] = attrs.field(
-        default=(), converter=_relayouts, kw_only=True
-    )
+    inputs: tuple[Any, ...] = attrs.field(default=(), converter=_relayouts, kw_only=True)
     output: Relayout | SplitOutput | None = attrs.field(default=None, kw_only=True)
     forward: Forward | None = attrs.field(default=None, kw_only=True)
     rng: tuple[str, ...] = attrs.field(default=(), converter=normalize_axes, kw_only=True)
     rejoin: bool = attrs.field(default=False, kw_only=True)
     remat: Remat | None = attrs.field(default=None, kw_only=True)
+    within: Callable[[AbstractMesh], Any] | None = attrs.field(default=None, kw_only=True)
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
 
     @_regex.default
@@ -260,6 +270,10 @@ class ModuleRule:
             )
         if self.forward is not None and not callable(self.forward):
             raise ShardingError(f"ModuleRule forward must be callable; got {self.forward!r}")
+        if self.within is not None and not callable(self.within):
+            raise ShardingError(
+                f"ModuleRule within is a callable (mesh -> context manager); got {self.within!r}"
+            )
         if self.remat is not None and not isinstance(self.remat, Remat):
             raise ShardingError(
                 f"ModuleRule remat is a Remat (rules.remat makes one); got {self.remat!r}"
@@ -280,12 +294,14 @@ class ModuleRule:
             parts.append(f"rng={self.rng!r}")
         if self.rejoin:
             parts.append("rejoin=True")
+        if self.within is not None:
+            parts.append(f"within={self.within!r}")
         if self.remat is not None:
             parts.append(f"remat={self.remat!r}")
         return f"ModuleRule({', '.join(parts)})"
 
 
-_MESHED = ("inputs", "output", "forward", "rng", "rejoin")
+_MESHED = ("inputs", "output", "forward", "within", "rng", "rejoin")
 """The aspects of a module rule that need the parameters' mesh (remat does not)."""
 
 
@@ -334,6 +350,8 @@ def install(
             undo.append(module.register_forward_hook(_output(rule, mesh, path)).remove)
         if (rule := first("forward")) is not None:
             undo.append(_set_forward(module, _bound(rule.forward, module, mesh)))
+        if (rule := first("within")) is not None:  # inside remat: its recomputation too
+            undo.append(_set_forward(module, _inside(rule.within, module.forward, mesh)))
         if (rule := first("remat")) is not None and under is None:
             count = seen[id(rule)] = seen.get(id(rule), -1) + 1
             if count % rule.remat.every == 0:
@@ -436,6 +454,16 @@ def _output(rule: ModuleRule, mesh: AbstractMesh, path: str) -> Callable[..., An
 def _bound(forward: Forward, module: nn.Module, mesh: AbstractMesh) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         return forward(module, mesh, *args, **kwargs)
+
+    return run
+
+
+def _inside(
+    within: Callable[[AbstractMesh], Any], forward: Callable[..., Any], mesh: AbstractMesh
+) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with within(mesh):
+            return forward(*args, **kwargs)
 
     return run
 

@@ -21,8 +21,8 @@ from ..errors import ShardingError
 from ..mesh._mesh import AbstractMesh, unknown_axis
 
 __all__ = [
-    "Blocks", "NamedSharding", "P", "PartitionSpec", "as_spec", "blocks", "dim_bounds",
-    "piece_array", "piece_sizes",
+    "Blocks", "NamedSharding", "P", "PartitionSpec", "Zigzag", "as_spec", "blocks", "dim_bounds",
+    "piece_array", "piece_sizes", "zigzag", "zigzag_bounds",
 ]  # fmt: skip
 
 
@@ -68,7 +68,93 @@ def blocks(k: int, *axes: str) -> Blocks:
     return Blocks(k, flat)
 
 
-Entry = str | tuple[str, ...] | Blocks | None
+@attrs.frozen(repr=False)
+class Zigzag:
+    """A spec entry for a sequence dim split head–tail over ``axes`` (n
+    members): the dim is cut into ``2·n`` equal chunks and member ``i`` holds
+    chunks ``i`` and ``2·n-1-i``, in that order — so under causal attention,
+    where later tokens attend to more, every member does the same work
+    (the load balancing of ring attention's zigzag layout; Liu et al., 2023,
+    "Ring Attention with Blockwise Transformers for Near-Infinite Context").
+    A member's piece is two boxes (:meth:`NamedSharding.local_boxes`). It
+    lays out batches (:mod:`shardax.data`) and activations under
+    ``rules.context_parallel``, not parameters. Write it with :func:`zigzag`.
+
+    >>> from shardax import AbstractMesh
+    >>> s = NamedSharding(AbstractMesh({"cp": 2}), P(None, zigzag("cp")))
+    >>> s.local_shape((1, 8), 0), s.local_boxes((1, 8), 0), s.local_boxes((1, 8), 1)
+    ((1, 4), [((0, 0), (1, 2)), ((0, 6), (1, 2))], [((0, 2), (1, 2)), ((0, 4), (1, 2))])
+    """
+
+    axes: tuple[str, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if (
+            not isinstance(self.axes, tuple)
+            or not self.axes
+            or not all(isinstance(a, str) for a in self.axes)
+        ):
+            raise ShardingError(
+                f"zigzag(...) needs the mesh axes that split the sequence, e.g. zigzag('cp'); "
+                f"got {self.axes!r}"
+            )
+
+    def __repr__(self) -> str:
+        return "zigzag(" + ", ".join(repr(a) for a in self.axes) + ")"
+
+
+def zigzag(*axes: str | Sequence[str]) -> Zigzag:
+    """The spec entry for a sequence dim split head–tail over ``axes`` (one
+    or more mesh axes, first major): see :class:`Zigzag`. A dim of 8 over 2
+    members is 4 chunks of 2; member 0 holds chunks 0 and 3, member 1
+    chunks 1 and 2.
+
+    >>> from shardax import AbstractMesh
+    >>> spec = P("dp", zigzag("cp"))
+    >>> spec, spec.axes
+    (P('dp', zigzag('cp')), ('dp', 'cp'))
+    >>> s = NamedSharding(AbstractMesh({"cp": 2}), P(zigzag("cp")))
+    >>> [s.local_boxes((8,), r) for r in range(2)]
+    [[((0,), (2,)), ((6,), (2,))], [((2,), (2,)), ((4,), (2,))]]
+    """
+    flat = tuple(a for x in axes for a in ((x,) if isinstance(x, str) else tuple(x)))
+    return Zigzag(flat)
+
+
+def zigzag_bounds(length: int, n: int, index: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two ``[start, stop)`` chunks member ``index`` of ``n`` holds of a
+    dim of ``length`` split :func:`zigzag`: chunks ``index`` and
+    ``2·n-1-index`` of ``2·n`` equal ones, in that order.
+
+    Raises:
+        ShardingError: ``length`` is not a multiple of ``2·n``.
+
+    >>> zigzag_bounds(8, 2, 0), zigzag_bounds(8, 2, 1)
+    (((0, 2), (6, 8)), ((2, 4), (4, 6)))
+    >>> zigzag_bounds(6, 2, 0)
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ShardingError: a zigzag split over 2 members cuts a dim into 2·2 = 4 equal chunks, so its length must be a multiple of 4; got 6: pad or trim it to 4 or 8
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ShardingError(f"a zigzag split needs a positive number of members; got {n!r}")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < n:
+        raise ShardingError(
+            f"member {index!r} is not one of the {n} of a zigzag split (0..{n - 1})"
+        )
+    chunks = 2 * n
+    if length % chunks:
+        lower, upper = length // chunks * chunks, (length // chunks + 1) * chunks
+        choices = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ShardingError(
+            f"a zigzag split over {n} members cuts a dim into 2·{n} = {chunks} equal chunks, so "
+            f"its length must be a multiple of {chunks}; got {length}: pad or trim it to {choices}"
+        )
+    c = length // chunks
+    return (index * c, (index + 1) * c), ((chunks - 1 - index) * c, (chunks - index) * c)
+
+
+Entry = str | tuple[str, ...] | Blocks | Zigzag | None
 
 
 def _normalize_entry(entry: Any, raw: tuple[Any, ...]) -> Entry:
@@ -78,20 +164,23 @@ def _normalize_entry(entry: Any, raw: tuple[Any, ...]) -> Entry:
         return entry
     if isinstance(entry, Blocks):
         return entry if entry.k > 1 else _normalize_entry(entry.axes, raw)
+    if isinstance(entry, Zigzag):
+        return entry
     if isinstance(entry, list | tuple) and all(isinstance(a, str) for a in entry):
         if len(entry) == 0:
             return None
         return entry[0] if len(entry) == 1 else tuple(entry)
     raise ShardingError(
-        f"a spec entry is None, an axis name, a tuple of axis names or blocks(k, axis, ...); "
-        f"got {entry!r} in P{raw!r}"
+        f"a spec entry is None, an axis name, a tuple of axis names or blocks(k, axis, ...) or "
+        f"zigzag(axis, ...); got {entry!r} in P{raw!r}"
     )
 
 
 @attrs.frozen(init=False, repr=False, eq=False)
 class PartitionSpec:
     """One entry per tensor dim: None (not split), an axis name, or a tuple of
-    axis names (split over their product, first major). Missing trailing
+    axis names (split over their product, first major); or a dim split block
+    by block (:func:`blocks`) or head–tail (:func:`zigzag`). Missing trailing
     entries mean None.
 
     >>> P("dp", None)
@@ -139,6 +228,15 @@ class PartitionSpec:
     def blocked(self) -> bool:
         """Whether some dim is split block by block (:func:`blocks`)."""
         return any(isinstance(e, Blocks) for e in self.entries)
+
+    @property
+    def zigzagged(self) -> bool:
+        """Whether some dim is split head–tail (:func:`zigzag`).
+
+        >>> P("dp", zigzag("cp")).zigzagged, P("dp", "cp").zigzagged
+        (True, False)
+        """
+        return any(isinstance(e, Zigzag) for e in self.entries)
 
     def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
         """The axes of each of ``ndim`` dims (padded with ``()``).
@@ -195,7 +293,7 @@ P = PartitionSpec
 def _entry_axes(entry: Entry) -> tuple[str, ...]:
     if entry is None:
         return ()
-    if isinstance(entry, Blocks):
+    if isinstance(entry, Blocks | Zigzag):
         return entry.axes
     return (entry,) if isinstance(entry, str) else entry
 
@@ -291,6 +389,10 @@ class NamedSharding:
         return shape
 
     def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
+        """The axes of each of ``ndim`` dims, for planning a transfer or a
+        relayout: each rank's piece one box (blocked dims in their
+        :meth:`expand` view), so not for a zigzag spec."""
+        self._refuse_zigzag("a transfer or relayout (dim_axes)")
         return self.spec.dim_axes(ndim)
 
     def expand(self, global_shape: Sequence[int]) -> tuple[tuple[int, ...], NamedSharding]:
@@ -303,6 +405,7 @@ class NamedSharding:
         ((4, 3, 4), NamedSharding(AbstractMesh({'tp': 2}), P(None, None, 'tp')))
         """
         shape = self.check_shape(global_shape)
+        self._refuse_zigzag("expand")
         if not self.spec.blocked:
             return shape, self
         out_shape: list[int] = []
@@ -325,8 +428,9 @@ class NamedSharding:
 
     def local_bounds(self, global_shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...]:
         """``[start, stop)`` per dim of ``rank``'s piece (one box: not for a
-        blocked spec, whose pieces are :meth:`local_boxes`)."""
+        blocked or zigzag spec, whose pieces are :meth:`local_boxes`)."""
         shape = self.check_shape(global_shape)
+        self._refuse_zigzag("local_bounds")
         if self.spec.blocked:
             raise ShardingError(
                 f"internal: {self.spec!r} splits a dim block by block: a piece is several boxes "
@@ -344,9 +448,15 @@ class NamedSharding:
     ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """``(offsets, sizes)`` of each box of ``rank``'s piece, in the order
         its local tensor holds them (several only where a dim is blocked:
-        one per block, the first dim's blocks outermost); empty boxes
-        included."""
+        one per block, or zigzag: its two chunks; the first dim's boxes
+        outermost); empty boxes included."""
         shape = self.check_shape(global_shape)
+        if self.spec.zigzagged:
+            runs = self._zigzag_runs(shape, rank)
+            return [
+                (tuple(a for a, _ in box), tuple(b - a for a, b in box))
+                for box in itertools.product(*runs)
+            ]
         expanded, inner = self.expand(shape)
         bounds = inner.local_bounds(expanded, rank)
         ks = self.spec.dim_blocks(len(shape))
@@ -369,6 +479,8 @@ class NamedSharding:
     def local_shape(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s piece (uneven dims: later ranks may be smaller)."""
         shape = self.check_shape(global_shape)
+        if self.spec.zigzagged:
+            return tuple(sum(b - a for a, b in r) for r in self._zigzag_runs(shape, rank))
         if not self.spec.blocked:
             return tuple(b - a for a, b in self.local_bounds(shape, rank))
         expanded, inner = self.expand(shape)
@@ -387,6 +499,7 @@ class NamedSharding:
         """``{rank: index}`` of every rank's piece; like JAX's, with ranks for
         devices (``slice(None)`` for dims no axis of size > 1 splits)."""
         shape = self.check_shape(global_shape)
+        self._refuse_zigzag("devices_indices_map")
         if self.spec.blocked:
             raise ShardingError(
                 f"{self.spec!r} splits a dim block by block: a rank's piece is several boxes, "
@@ -401,6 +514,44 @@ class NamedSharding:
                 slice(a, b) if s else slice(None) for (a, b), s in zip(bounds, split, strict=True)
             )
         return out
+
+    def _refuse_zigzag(self, what: str) -> None:
+        if self.spec.zigzagged:
+            raise ShardingError(
+                f"{what} takes a piece of one box per rank, and {self.spec!r} on {self.mesh!r} "
+                "splits a dim zigzag: zigzag lays out batches (sx.data) and activations under "
+                "rules.context_parallel, in two boxes per rank (local_boxes); parameters and "
+                "transfers use plain splits or blocks(...)"
+            )
+
+    def _zigzag_runs(self, shape: tuple[int, ...], rank: int) -> list[list[tuple[int, int]]]:
+        """``[start, stop)`` runs of ``rank``'s piece in each dim of a spec
+        with a zigzag dim: two there, one in every other dim."""
+        if self.spec.blocked:
+            raise ShardingError(
+                f"{self.spec!r} splits one dim block by block and another zigzag on {self.mesh!r}; "
+                "a spec takes one or the other: split the blocked dim plainly or the zigzag one "
+                "contiguously"
+            )
+        sizes = self.mesh.shape
+        coords = self.mesh.coords(rank)
+        runs = []
+        for d, (length, entry) in enumerate(
+            zip(shape, list(self.spec) + [None] * (len(shape) - len(self.spec)), strict=True)
+        ):
+            axes = _entry_axes(entry)
+            if not isinstance(entry, Zigzag):
+                at = dim_bounds(length, [sizes[a] for a in axes], [coords[a] for a in axes])
+                runs.append([at])
+                continue
+            n, index = self.mesh.size(axes), self.mesh.axis_index(axes, rank)
+            try:
+                runs.append(list(zigzag_bounds(length, n, index)))
+            except ShardingError as err:
+                raise ShardingError(
+                    f"dim {d} of shape {shape} under {self.spec!r} on {self.mesh!r}: {err}"
+                ) from None
+        return runs
 
     def is_fully_replicated(self) -> bool:
         return all(self.mesh.size(a) == 1 for a in self.spec.axes) if self.spec.axes else True

@@ -58,6 +58,8 @@ def _rules(name: str | None) -> Any:
         return sx.rules.ulysses("sp")
     if name == "ulysses+zero3":
         return sx.rules.ulysses("sp") + sx.rules.zero(3, "dp")
+    if name == "context_parallel":
+        return sx.rules.context_parallel("cp")
     if name.startswith("offload+"):  # parameters, gradients and state on disk, in _FOLDER
         where = f"{_FOLDER[0]}/{os.getpid()}"
         return _rules(name.removeprefix("offload+")) + sx.rules.offload(
@@ -97,7 +99,14 @@ def _ranked(
         def loss_fn(logits, y):
             return sx.vocab_parallel_cross_entropy(logits, y)
 
-    module_rules = ("megatron", "ulysses", "ulysses+zero3", "remat", "remat+zero3")
+    module_rules = (
+        "megatron",
+        "ulysses",
+        "ulysses+zero3",
+        "remat",
+        "remat+zero3",
+        "context_parallel",
+    )
     extra = {"rules": _rules(rules)} if rules in module_rules else {}
     step = pipeline.value_and_grad(model, loss_fn, schedule, stages, mesh=mesh, **extra)
     opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
@@ -106,7 +115,10 @@ def _ranked(
     losses = []
     for x, y in _batches():
         rows = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        loss, grads = step(params, x[rows], y[rows])
+        x, y = x[rows], y[rows]
+        if "cp" in shape:  # this rank's zigzag piece of every sequence
+            x, y = sx.data.shard_batch((x, y), mesh, sx.P(None, sx.zigzag("cp")))
+        loss, grads = step(params, x, y)
         if clip:
             grads, _ = pipeline.clip_by_global_norm(grads, clip, stages, schedule, mesh=mesh)
         params, state = sx.optim.step(opt, grads, state, params)
@@ -192,6 +204,16 @@ def test_pp_x_sp_with_ulysses(name, shape):
     world = 8 if "dp" in shape else 4
     rules = "ulysses+zero3" if "dp" in shape else "ulysses"
     _matches(run_ranks(_ranked, make, shape, layers, rules, world_size=world), layers)
+
+
+@pytest.mark.parametrize("name", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow)])
+def test_pp2_x_cp2_with_context_parallel(name):
+    """Ring attention inside the stages: every cp rank of a stage runs the
+    same micro-batch's piece of the sequence at the same time."""
+    layers = 2 * SCHEDULES[name][1]
+    make = functools.partial(_make, name, 2, 4)
+    shape = {"pp": 2, "cp": 2}
+    _matches(run_ranks(_ranked, make, shape, layers, "context_parallel", world_size=4), layers)
 
 
 @pytest.mark.slow  # compiling takes about 20 s per rank
