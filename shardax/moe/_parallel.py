@@ -41,7 +41,8 @@ def expert_parallel(
     rank of ``batch`` (default: ``axis``; name every axis the batch is
     split over, e.g. ``("dp", "ep")``); those past it add nothing (the
     residual carries them) — the same pairs one process drops from the
-    whole batch. None: the module's own ``capacity_factor`` attribute if it
+    whole batch (under context parallelism, the same number: a zigzag piece
+    is not in token order). None: the module's own ``capacity_factor`` attribute if it
     has one (Hugging Face's experts have none: dropless).
 
     >>> import torch, shardax as sx

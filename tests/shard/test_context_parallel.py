@@ -359,3 +359,28 @@ def test_a_batch_split_another_way_than_the_rule_is_refused(spec: P, said: str) 
     for err in failed.value.errors.values():
         assert isinstance(err, sx.ShardingError)
         assert said in str(err) and "P(<data axes>, zigzag('cp'))" in str(err)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_plain_block_equals_the_kernel(causal: bool, masked: bool) -> None:
+    """The blocks in plain matmuls (what CUDA runs) against the CPU flash
+    kernel: the output, log-sum-exp and, given the whole attention's, the
+    gradients — rows that see no key included."""
+    from shardax.shard import _ring
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = torch.randn(4, 2, 3, 8, 4, generator=g, dtype=torch.float64).unbind(0)
+    keys = torch.ones(2, 8, dtype=torch.bool)
+    if masked:
+        keys[1, :3] = False
+    keys = keys if masked else None
+    fast = _ring._forward_block(q, k, v, causal, keys, 0.5)
+    plain = _ring._math_forward(q, k, v, causal, keys, 0.5)
+    torch.testing.assert_close(plain, fast)
+    out, lse = fast
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    want = _ring._backward_block(dout, q, k, v, out, lse, causal, keys, 0.5)
+    torch.testing.assert_close(
+        _ring._math_backward(dout, q, k, v, out, lse, causal, keys, 0.5), want
+    )
