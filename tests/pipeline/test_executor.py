@@ -233,10 +233,12 @@ _FOLDER = [""]
 
 
 def _offloaded(folder: str, *args: Any) -> tuple[list[float], dict, list[str]]:
-    """``_ranked`` with ``"offload+..."`` rules in ``folder``; what is left there."""
+    """``_ranked`` with ``"offload+..."`` rules in ``folder``; what is left in
+    this rank's own part of it (another rank may be between creating a file
+    and unlinking it while this one looks)."""
     _FOLDER[0] = folder
     losses, params = _ranked(*args)
-    left = [f for _, _, files in os.walk(folder) for f in files]
+    left = [f for _, _, files in os.walk(f"{folder}/{os.getpid()}") for f in files]
     return losses, params, left
 
 
