@@ -279,6 +279,17 @@ class _Packed:
         return k, v, allowed
 
 
+def _turns(step: int, buffers: int) -> tuple[int, int]:
+    """Which of the backward's gradient buffers takes this step's
+    contributions, and which receives the sum the previous rank sends on:
+    neither is the one still being sent from the step before (three buffers
+    going round: 0, 2, 1, 0, ...; one rank needs one)."""
+    if buffers == 1:
+        return 0, 0
+    mine = -step % 3
+    return mine, (mine + 1) % 3
+
+
 def _ring(n: int) -> list[tuple[int, int]]:
     return [(j, (j + 1) % n) for j in range(n)]
 
@@ -329,13 +340,25 @@ class _RingFunction(torch.autograd.Function):
         held, spare = packed.buffer, torch.empty_like(packed.buffer)
         acc = _acc(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        grads_in_flight = None
+        # A block's key/value gradients, flat (dk then dv), in three buffers
+        # taking turns: at each step one takes this rank's contributions
+        # while the previous step's sum is still being sent from the second
+        # and the one before it arrives in the third (_turns).
+        nk = k.numel()
+        grads = [torch.empty(2 * nk, dtype=acc, device=q.device) for _ in range(3 if n > 1 else 1)]
+        wide = (  # the block's gradients over the query heads, folded into the flat buffer
+            None
+            if groups == 1
+            else torch.empty((2, *q.shape[:2], *k.shape[2:]), dtype=acc, device=q.device)
+        )
+        in_flight = None
         for step, work in enumerate(ring.work):
             moving = ring.permute(held, spare) if step < n - 1 else None
             kb, vb, mb = packed.unpack(held)
             kb, vb = _expand_heads(kb, groups), _expand_heads(vb, groups)
-            dk = torch.zeros(kb.shape, dtype=acc, device=q.device)
-            dv = torch.zeros(vb.shape, dtype=acc, device=q.device)
+            mine, arriving = _turns(step, len(grads))
+            flat = grads[mine].zero_()
+            dk, dv = (wide.zero_() if wide is not None else flat.view(2, *k.shape)).unbind(0)
             for w in work:
                 gq, gk, gv = _backward_block(
                     dout[:, :, w.q], q[:, :, w.q], kb[:, :, w.k], vb[:, :, w.k],
@@ -345,20 +368,20 @@ class _RingFunction(torch.autograd.Function):
                 dq[:, :, w.q] += gq
                 dk[:, :, w.k] += gk
                 dv[:, :, w.k] += gv
-            grads = torch.cat(
-                [_fold_heads(dk, groups).reshape(-1), _fold_heads(dv, groups).reshape(-1)]
-            )
-            if grads_in_flight is not None:  # the block's gradients from the ranks before
-                grads += grads_in_flight.wait()
+            if wide is not None:
+                flat.view(2, *k.shape).copy_(
+                    _fold_heads(wide.flatten(0, 1), groups).view(2, *k.shape)
+                )
+            if in_flight is not None:  # the block's gradients from the ranks before
+                flat += in_flight.wait()
             if n > 1:  # on with its block
-                grads_in_flight = ring.permute(grads, torch.empty_like(grads))
+                in_flight = ring.permute(flat, grads[arriving])
             if moving is not None:
                 moving.wait()
                 held, spare = spare, held
-        grads = grads_in_flight.wait() if n > 1 else grads  # this rank's own block, summed
-        nk = k.numel()
-        dk_own = grads[:nk].view(k.shape).to(k.dtype)
-        dv_own = grads[nk:].view(v.shape).to(v.dtype)
+        total = in_flight.wait() if n > 1 else flat  # this rank's own block, summed
+        dk_own = total[:nk].view(k.shape).to(k.dtype)
+        dv_own = total[nk:].view(v.shape).to(v.dtype)
         return dq.to(q.dtype), dk_own, dv_own, None, None
 
 
