@@ -185,14 +185,11 @@ class GlobalPositions:
             f"{where}: position ids {shown}... are neither this rank's own numbering 0..{length - 1} "
             f"nor the global positions of its {self.order} piece over {self.axis!r} "
             f"({positions[:8].tolist()}...): split the batch (position ids included) with the "
-            f"spec that rules.context_parallel pairs with — P(<data axes>, "
-            f"{'zigzag(' + repr(self.axis[0]) + ')' if self.order == 'zigzag' else repr(self.axis[0])})"
+            f"spec that rules.context_parallel pairs with — {_batch_spec(self.axis, self.order)}"
         )
 
     def __repr__(self) -> str:
-        axis = self.axis[0] if len(self.axis) == 1 else self.axis
-        tail = "" if self.order == "zigzag" else f", order={self.order!r}"
-        return f"GlobalPositions({axis!r}{tail})"
+        return _repr("GlobalPositions", self.axis, self.order)
 
 
 @attrs.frozen(repr=False)
@@ -260,9 +257,7 @@ class Ring:
         ]
 
     def __repr__(self) -> str:
-        axis = self.axis[0] if len(self.axis) == 1 else self.axis
-        tail = "" if self.order == "zigzag" else f", order={self.order!r}"
-        return f"Ring({axis!r}{tail})"
+        return _repr("Ring", self.axis, self.order)
 
 
 @attrs.frozen(repr=False)
@@ -297,15 +292,25 @@ class SequencePiece:
             if not axes
             else f"with its sequence {'split zigzag' if order == 'zigzag' else 'in contiguous chunks'} over {axes!r}"
         )
-        wanted = f"zigzag({self.axis[0]!r})" if self.order == "zigzag" else repr(self.axis[0])
         raise ShardingError(
             f"{where}: the batch was split by shardax.data {said}, and "
             f"rules.context_parallel({self.axis[0]!r}) runs ring attention over pieces split "
             f"{'zigzag' if self.order == 'zigzag' else 'in contiguous chunks'} over "
-            f"{self.axis!r}: split the batch with P(<data axes>, {wanted})"
+            f"{self.axis!r}: split the batch with {_batch_spec(self.axis, self.order)}"
         )
 
     def __repr__(self) -> str:
-        axis = self.axis[0] if len(self.axis) == 1 else self.axis
-        tail = "" if self.order == "zigzag" else f", order={self.order!r}"
-        return f"SequencePiece({axis!r}{tail})"
+        return _repr("SequencePiece", self.axis, self.order)
+
+
+def _repr(name: str, axis: tuple[str, ...], order: Order) -> str:
+    """``Name('cp')``, or with its axes and a contiguous order spelled out."""
+    shown = axis[0] if len(axis) == 1 else axis
+    return f"{name}({shown!r}" + ("" if order == "zigzag" else f", order={order!r}") + ")"
+
+
+def _batch_spec(axis: tuple[str, ...], order: Order) -> str:
+    """The batch spec that splits the sequence over ``axis`` in ``order``, for messages."""
+    shown = ", ".join(repr(a) for a in axis)
+    entry = f"zigzag({shown})" if order == "zigzag" else (shown if len(axis) == 1 else f"({shown})")
+    return f"P(<data axes>, {entry})"
