@@ -264,6 +264,7 @@ def test_committed_longest_sequence_cp_times_one_process(committed):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a dozen one-step trainings under a memory limit, some OOM-killed
 def test_context_benchmark_memory_search_smoke(tmp_path, bench):
     """The cgroup search on the tiny GPT: where this process may make memory
     cgroups (root), one process and cp=2 each find a longest sequence, the
