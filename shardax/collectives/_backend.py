@@ -57,8 +57,7 @@ class Pending:
         """Finish it: every work, then the fix-up (errors raised as they come;
         :class:`Handle` translates them)."""
         try:
-            for work in self.works:
-                work.wait()
+            _wait_each(self.works)  # in a frame of its own: no loop variable keeps a work
         finally:
             self.settle()
         if self.after is not None:
@@ -71,6 +70,26 @@ class Pending:
             self.works = []
             self.lent = ()
             LOANS.prune()
+
+
+def _wait_each(
+    works: Sequence[Any], translate: Callable[[Exception], Exception] | None = None
+) -> None:
+    """``wait()`` on each of ``works``, a failure other than a
+    :class:`~shardax.errors.CollectiveError` raised as ``translate(err)``
+    where given. A function of its own so that, once it returns, no frame
+    still settling the work references its last one: a loop variable left
+    bound to it would keep the buffers it was lent anchored until the next
+    collective (:meth:`Pending.settle` drops only what no work holds)."""
+    for work in works:
+        try:
+            work.wait()
+        except CollectiveError:
+            raise
+        except Exception as err:
+            if translate is None:
+                raise
+            raise translate(err) from err
 
 
 def _finished(work: Any) -> bool:
@@ -200,14 +219,7 @@ class Handle:
         if not self._done:
             if self._pending is not None:
                 try:
-                    for work in self._pending.works:
-                        try:
-                            work.wait()
-                        except CollectiveError:
-                            raise
-                        except Exception as err:
-                            assert self._group is not None
-                            raise translate_error(self._group, self._op, self._seq, err) from err
+                    _wait_each(self._pending.works, self._translate)
                 finally:
                     self._pending.settle()
                 if self._pending.after is not None:
@@ -216,6 +228,10 @@ class Handle:
             self._done = True
             self._pending = self._finish = None  # type: ignore[assignment]
         return self._result
+
+    def _translate(self, err: Exception) -> CollectiveError:
+        assert self._group is not None  # a handle with work in flight has its group
+        return translate_error(self._group, self._op, self._seq, err)
 
 
 def start(

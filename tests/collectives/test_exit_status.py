@@ -136,3 +136,28 @@ def test_anchors_do_not_outlive_gloos_use_of_the_buffers() -> None:
     finished work, nothing is anchored any more (a doubly anchored send, as
     point to point once made, would stay forever)."""
     assert run_ranks(_every_op_then_anchors_left, world_size=2) == [0, 0]
+
+
+def _anchored_after_waiting_a_ppermute() -> list[int]:
+    """How many buffers are anchored right after each wait of an async
+    ``ppermute`` (point to point: the works are the caller's alone)."""
+    os.environ["SHARDAX_BACKEND"] = "torch"
+    try:
+        mesh = sx.Mesh({"x": -1}, timeout=615.0)
+    finally:
+        del os.environ["SHARDAX_BACKEND"]
+    x, into = torch.arange(2.0**16) + mesh.rank, torch.empty(2**16)
+    left = []
+    for _ in range(3):
+        C.ppermute(x, "x", [(0, 1), (1, 0)], mesh=mesh, out=into, async_op=True).wait()
+        left.append(LOANS.outstanding())
+    return left
+
+
+@pytest.mark.world_size(2)
+def test_a_waited_ppermute_leaves_nothing_anchored() -> None:
+    """Once ``wait()`` returns, nothing of a point-to-point collective stays
+    anchored: its buffers are freed as soon as the caller drops them, not
+    one collective later (a ring's last received block once outlived the
+    ring, held by the wait loop's last work)."""
+    assert run_ranks(_anchored_after_waiting_a_ppermute, world_size=2) == [[0, 0, 0]] * 2
