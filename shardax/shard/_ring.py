@@ -29,6 +29,7 @@ attention modules, so a model that calls SDPA needs no rewrite.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -243,10 +244,20 @@ def _steps(n: int, me: int, t: int, order: Order, causal: bool) -> list[list[_Wo
 
 
 def _merge(
-    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part: torch.Tensor,
+    part_lse: torch.Tensor,
+    first: bool,
 ) -> None:
     """``out``/``lse`` (fp32) ← the softmax-weighted union with a partial
-    result over other keys, in place; rows empty in both stay 0 / -inf."""
+    result over other keys, in place; rows empty in both stay 0 / -inf.
+    ``first``: nothing is there yet (the part is copied; a kernel's output
+    is 0 on rows with no key)."""
+    if first:
+        out.copy_(part)
+        lse.copy_(part_lse)
+        return
     new = torch.logaddexp(lse, part_lse)
     finite = torch.isfinite(new)
     safe = torch.where(finite, new, torch.zeros_like(new))
@@ -256,42 +267,146 @@ def _merge(
     lse.copy_(new)
 
 
-class _Packed:
-    """Keys, values and the key mask of one block in one flat buffer, so
-    one ``ppermute`` moves the block."""
+def _token_major(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized ``[B, H, T, D]`` tensor laid out ``[B, T, H, D]`` in
+    memory, as a projection makes queries, keys and values, the CPU kernel
+    returns its gradients, and the model's ``transpose(1, 2)`` + reshape
+    back to ``[B, T, H·D]`` reads without a copy."""
+    b, h, t, d = shape
+    return torch.empty(b, t, h, d, dtype=dtype, device=device).transpose(1, 2)
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> None:
-        self.k_shape, self.v_shape = k.shape, v.shape
-        self.dtype, self.masked = k.dtype, allowed is not None
-        self.mask_shape = None if allowed is None else allowed.shape
-        parts = [k.reshape(-1), v.reshape(-1)]
+
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy where ``x`` is a view of a larger buffer (a slice of
+    a fused projection's output): what is saved for the backward must not
+    keep the rest of that buffer alive."""
+    if x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size():
+        return x
+    return _token_major(x.shape, x.dtype, x.device).copy_(x)
+
+
+class _Blocks:
+    """Where the keys, values and key mask of one block lie in one flat
+    buffer, so one ``ppermute`` moves the block: keys then values,
+    ``[B, Hkv, T, D]`` each laid out ``[B, T, Hkv, D]``, then the mask as
+    0/1 in their dtype. The flat buffers of a block's key/value gradients
+    (in the accumulation dtype) take the same layout, without the mask."""
+
+    def __init__(self, k_shape: torch.Size, masked: bool) -> None:
+        self.k_shape, self.masked = k_shape, masked
+        self.nk = math.prod(k_shape)
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """A new buffer holding ``k``, ``v`` and ``allowed`` (one copy each)."""
+        b, _, t, _ = self.k_shape
+        buffer = torch.empty(
+            2 * self.nk + (b * t if self.masked else 0), dtype=k.dtype, device=k.device
+        )
+        kb, vb = self.kv(buffer)
+        kb.copy_(k)
+        vb.copy_(v)
         if allowed is not None:
-            parts.append(allowed.reshape(-1).to(k.dtype))
-        self.buffer = torch.cat(parts)
+            buffer[2 * self.nk :].copy_(allowed.reshape(-1))
+        return buffer
+
+    def kv(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values (or their gradients) in ``buffer``, ``[B, Hkv, T, D]`` views."""
+        b, h, t, d = self.k_shape
+        pair = buffer[: 2 * self.nk].view(2, b, t, h, d).transpose(2, 3)
+        return pair[0], pair[1]
 
     def unpack(
         self, buffer: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        nk, nv = math.prod(self.k_shape), math.prod(self.v_shape)
-        k = buffer[:nk].view(self.k_shape)
-        v = buffer[nk : nk + nv].view(self.v_shape)
-        allowed = buffer[nk + nv :].view(self.mask_shape) > 0.5 if self.masked else None
-        return k, v, allowed
+        k, v = self.kv(buffer)
+        if not self.masked:
+            return k, v, None
+        b, _, t, _ = self.k_shape
+        return k, v, buffer[2 * self.nk :].view(b, t) > 0.5
 
 
-def _turns(step: int, buffers: int) -> tuple[int, int]:
-    """Which of the backward's gradient buffers takes this step's
-    contributions, and which receives the sum the previous rank sends on:
-    neither is the one still being sent from the step before (three buffers
-    going round: 0, 2, 1, 0, ...; one rank needs one)."""
-    if buffers == 1:
-        return 0, 0
-    mine = -step % 3
-    return mine, (mine + 1) % 3
+def _receiver(step: int, spares: list[torch.Tensor]) -> torch.Tensor:
+    """The spare block buffer that receives at ``step``: never the rank's
+    own block (saved for the backward), nor the one sent at the step before
+    (two spares taking turns; a ring of two needs one)."""
+    return spares[step % len(spares)]
 
 
 def _ring(n: int) -> list[tuple[int, int]]:
     return [(j, (j + 1) % n) for j in range(n)]
+
+
+def _attend(
+    q: torch.Tensor,
+    held: torch.Tensor,
+    blocks: _Blocks,
+    groups: int,
+    work: Sequence[_Work],
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    first: bool,
+) -> None:
+    """One forward step: ``q``'s work against the block in ``held``,
+    merged into ``out``/``lse`` (``first``: the own block, every query)."""
+    kb, vb, mb = blocks.unpack(held)
+    kb, vb = _expand_heads(kb, groups), _expand_heads(vb, groups)
+    for w in work:
+        part, part_lse = _forward_block(
+            q[:, :, w.q], kb[:, :, w.k], vb[:, :, w.k], w.causal,
+            None if mb is None else mb[:, w.k], scale,
+        )  # fmt: skip
+        _merge(out[:, :, w.q], lse[:, :, w.q], part, part_lse, first)
+
+
+def _grads(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    held: torch.Tensor,
+    blocks: _Blocks,
+    groups: int,
+    work: Sequence[_Work],
+    scale: float,
+    dq: torch.Tensor,
+    first: bool,
+) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """One backward step: the query gradients of ``work`` against the block
+    in ``held`` added to ``dq`` (``first``: the own block, copied in), and
+    the block's key/value gradients (``[B, Hkv, ·, D]``) by key range."""
+    kb, vb, mb = blocks.unpack(held)
+    kb, vb = _expand_heads(kb, groups), _expand_heads(vb, groups)
+    parts = []
+    for w in work:
+        gq, gk, gv = _backward_block(
+            dout[:, :, w.q], q[:, :, w.q], kb[:, :, w.k], vb[:, :, w.k],
+            out[:, :, w.q], lse[:, :, w.q], w.causal,
+            None if mb is None else mb[:, w.k], scale,
+        )  # fmt: skip
+        if first:
+            dq.copy_(gq)
+        else:
+            dq[:, :, w.q] += gq
+        parts.append((w.k, _fold_heads(gk, groups), _fold_heads(gv, groups)))
+    return parts
+
+
+def _accumulate(
+    into: tuple[torch.Tensor, torch.Tensor],
+    parts: list[tuple[slice, torch.Tensor, torch.Tensor]],
+    first: bool,
+) -> None:
+    """A block's key/value gradients ``into`` += this rank's ``parts``
+    (``first``: the own block's, which cover every key, copied in)."""
+    tk, tv = into
+    for keys, gk, gv in parts:
+        if first:
+            tk.copy_(gk)
+            tv.copy_(gv)
+        else:
+            tk[:, :, keys] += gk
+            tv[:, :, keys] += gv
 
 
 class _RingFunction(torch.autograd.Function):
@@ -306,83 +421,58 @@ class _RingFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         n = ring.size
         groups = q.shape[1] // k.shape[1]
-        packed = _Packed(k, v, allowed)
-        held, spare = packed.buffer, torch.empty_like(packed.buffer)
+        blocks = _Blocks(k.shape, allowed is not None)
+        own = blocks.pack(k, v, allowed)
+        spares = [torch.empty_like(own) for _ in range(min(n - 1, 2))]
+        q = _own(q)
         acc = _acc(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
+        out = _token_major(q.shape, acc, q.device)  # step 0 (the rank's own block) fills it
+        lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+        held = own
         for step, work in enumerate(ring.work):
-            moving = ring.permute(held, spare) if step < n - 1 else None
-            kb, vb, mb = packed.unpack(held)
-            kb, vb = _expand_heads(kb, groups), _expand_heads(vb, groups)
-            for w in work:
-                part, part_lse = _forward_block(
-                    q[:, :, w.q], kb[:, :, w.k], vb[:, :, w.k], w.causal,
-                    None if mb is None else mb[:, w.k], ring.scale,
-                )  # fmt: skip
-                _merge(out[:, :, w.q], lse[:, :, w.q], part, part_lse)
+            into = _receiver(step, spares) if step < n - 1 else None
+            moving = ring.permute(held, into) if into is not None else None
+            _attend(q, held, blocks, groups, work, ring.scale, out, lse, first=step == 0)
             if moving is not None:
                 moving.wait()
-                held, spare = spare, held
+                held = into
         result = out.to(q.dtype)
-        ctx.ring, ctx.groups = ring, groups
-        ctx.save_for_backward(q, k, v, allowed, result, lse)
+        ctx.ring, ctx.groups, ctx.blocks = ring, groups, blocks
+        ctx.save_for_backward(q, own, result, lse)
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, allowed, out, lse = ctx.saved_tensors
-        ring, groups = ctx.ring, ctx.groups
+        q, own, out, lse = ctx.saved_tensors
+        ring, groups, blocks = ctx.ring, ctx.groups, ctx.blocks
         n = ring.size
         lse = lse.masked_fill(lse == -math.inf, math.inf)  # rows that attend to nothing: p = 0
-        dout = dout.contiguous()
-        packed = _Packed(k, v, allowed)
-        held, spare = packed.buffer, torch.empty_like(packed.buffer)
+        spares = [torch.empty_like(own) for _ in range(min(n - 1, 2))]
         acc = _acc(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        # A block's key/value gradients, flat (dk then dv), in three buffers
-        # taking turns: at each step one takes this rank's contributions
-        # while the previous step's sum is still being sent from the second
-        # and the one before it arrives in the third (_turns).
-        nk = k.numel()
-        grads = [torch.empty(2 * nk, dtype=acc, device=q.device) for _ in range(3 if n > 1 else 1)]
-        wide = (  # the block's gradients over the query heads, folded into the flat buffer
-            None
-            if groups == 1
-            else torch.empty((2, *q.shape[:2], *k.shape[2:]), dtype=acc, device=q.device)
-        )
-        in_flight = None
+        dq = _token_major(q.shape, acc, q.device)  # step 0 (the rank's own block) fills it
+        # A block's key/value gradients, flat, in two buffers taking turns: the
+        # sum from the ranks before arrives in one while the other, summed
+        # with this rank's part, is sent on.
+        grads = [torch.empty(2 * blocks.nk, dtype=acc, device=q.device) for _ in range(min(n, 2))]
+        held, in_flight, total = own, None, grads[0]
         for step, work in enumerate(ring.work):
-            moving = ring.permute(held, spare) if step < n - 1 else None
-            kb, vb, mb = packed.unpack(held)
-            kb, vb = _expand_heads(kb, groups), _expand_heads(vb, groups)
-            mine, arriving = _turns(step, len(grads))
-            flat = grads[mine].zero_()
-            dk, dv = (wide.zero_() if wide is not None else flat.view(2, *k.shape)).unbind(0)
-            for w in work:
-                gq, gk, gv = _backward_block(
-                    dout[:, :, w.q], q[:, :, w.q], kb[:, :, w.k], vb[:, :, w.k],
-                    out[:, :, w.q], lse[:, :, w.q], w.causal,
-                    None if mb is None else mb[:, w.k], ring.scale,
-                )  # fmt: skip
-                dq[:, :, w.q] += gq
-                dk[:, :, w.k] += gk
-                dv[:, :, w.k] += gv
-            if wide is not None:
-                flat.view(2, *k.shape).copy_(
-                    _fold_heads(wide.flatten(0, 1), groups).view(2, *k.shape)
-                )
-            if in_flight is not None:  # the block's gradients from the ranks before
-                flat += in_flight.wait()
+            into = _receiver(step, spares) if step < n - 1 else None
+            moving = ring.permute(held, into) if into is not None else None
+            parts = _grads(dout, q, out, lse, held, blocks, groups, work, ring.scale, dq, step == 0)
+            # the block's gradients: this rank's part, plus the sum of the ranks'
+            # before it (arriving meanwhile; at step 0 there are none)
+            total = grads[0] if in_flight is None else in_flight.wait()
+            _accumulate(blocks.kv(total), parts, first=step == 0)
+            parts = []
             if n > 1:  # on with its block
-                in_flight = ring.permute(flat, grads[arriving])
+                in_flight = ring.permute(total, grads[(step + 1) % 2])
             if moving is not None:
                 moving.wait()
-                held, spare = spare, held
-        total = in_flight.wait() if n > 1 else flat  # this rank's own block, summed
-        dk_own = total[:nk].view(k.shape).to(k.dtype)
-        dv_own = total[nk:].view(v.shape).to(v.dtype)
-        return dq.to(q.dtype), dk_own, dv_own, None, None
+                held = into
+        if in_flight is not None:  # this rank's own block, summed over every rank
+            total = in_flight.wait()
+        dk, dv = blocks.kv(total)
+        return dq.to(q.dtype), dk.to(own.dtype), dv.to(own.dtype), None, None
 
 
 @attrs.frozen
@@ -479,4 +569,4 @@ def ring_attention(
     scale = d**-0.5 if scale is None else float(scale)
     work = tuple(tuple(w) for w in _steps(size, index, t, order, is_causal))
     ring = _Ring(axes, mesh, size, index, work, scale)
-    return _RingFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), key_mask, ring)
+    return _RingFunction.apply(q, k, v, key_mask, ring)

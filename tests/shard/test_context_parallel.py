@@ -276,6 +276,29 @@ def _one_rank_llama() -> tuple[Any, dict]:
     return model, sx.shard(sx.params_of(model), mesh, sx.rules.context_parallel("cp", names="auto"))
 
 
+def test_the_ring_keeps_only_its_own_pieces_for_the_backward() -> None:
+    """Queries, keys and values cut from one fused projection: what the
+    ring saves is its own copy of them, the output and the log-sum-exp —
+    never the projection's whole buffer — and its output lies token-major,
+    so the model's ``transpose(1, 2)`` back to ``[B, T, H·D]`` copies
+    nothing."""
+    b, t, h, d = 2, 8, 2, 4
+    qkv = torch.randn(b, t, 3, h, d, requires_grad=True)
+    q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))
+    out = ring_attention(q, k, v, "cp", mesh=sx.Mesh({"cp": 1}))
+    saved = out.grad_fn.saved_tensors
+    storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in saved}
+    assert qkv.untyped_storage().data_ptr() not in storages
+    piece = b * t * h * d * 4
+    assert sum(storages.values()) == 3 * piece + piece + b * h * t * 4  # q, k+v, out, lse
+    assert out.transpose(1, 2).is_contiguous()
+    out.sum().backward()
+    want = qkv.detach().clone().requires_grad_()
+    wq, wk, wv = (x.transpose(1, 2) for x in want.unbind(2))
+    F.scaled_dot_product_attention(wq, wk, wv, is_causal=True).sum().backward()
+    torch.testing.assert_close(qkv.grad, want.grad)
+
+
 def test_position_ids_of_another_split_are_refused() -> None:
     model, params = _one_rank_llama()
     x = torch.randint(0, 32, (2, SEQ))
