@@ -258,13 +258,11 @@ def _merge(
         out.copy_(part)
         lse.copy_(part_lse)
         return
-    new = torch.logaddexp(lse, part_lse)
-    finite = torch.isfinite(new)
-    safe = torch.where(finite, new, torch.zeros_like(new))
-    keep = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(new))
-    take = torch.where(finite, torch.exp(part_lse - safe), torch.zeros_like(new))
-    out.mul_(keep[..., None]).add_(part.to(out.dtype) * take[..., None])
-    lse.copy_(new)
+    # the part's share of the union, exp(part_lse) / (exp(lse) + exp(part_lse));
+    # 0 on rows empty in both (-inf - -inf: NaN), where the part is 0 too
+    take = torch.sigmoid(part_lse - lse).nan_to_num_(0.0)
+    out.lerp_(part.to(out.dtype), take[..., None])
+    torch.logaddexp(lse, part_lse, out=lse)
 
 
 def _token_major(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
