@@ -94,6 +94,19 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
     return first if isinstance(first, torch.Tensor) else None
 
 
+def _meta_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The tensor an in-place random draw would fill, where it is on
+    ``meta`` — which holds no values, so the draw is skipped, not run: run,
+    torch's meta kernel for it imports ``torch._dynamo`` (some 75 MiB of
+    resident memory in every process that merely builds a model); else
+    None."""
+    name = getattr(func, "__name__", "")
+    if name not in _DRAWS or not name.endswith("_"):
+        return None
+    first = _first_tensor(args, kwargs)
+    return first if first is not None and first.device.type == "meta" else None
+
+
 def _factories() -> frozenset[Any]:
     from torch.utils._device import _device_constructors
 
@@ -116,7 +129,8 @@ class _Writes(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self.factories and kwargs.get("device") is None:
             kwargs = {**kwargs, "device": "meta"}
-        out = func(*args, **kwargs)
+        skipped = _meta_draw(func, args, kwargs)
+        out = skipped if skipped is not None else func(*args, **kwargs)
         first = _first_tensor(args, kwargs)
         key = self.root.get(id(first)) if first is not None else None
         if key is None:
@@ -249,7 +263,8 @@ class _Construction(TorchFunctionMode):
         recorded = dict(kwargs)
         if func in self.factories and kwargs.get("device") is None:
             kwargs["device"] = "meta"
-        out = func(*args, **kwargs)
+        skipped = _meta_draw(func, args, kwargs)
+        out = skipped if skipped is not None else func(*args, **kwargs)
         if draw:
             factory = func in self.factories
             target = out if factory else _first_tensor(args, kwargs)

@@ -164,3 +164,24 @@ def test_only_keeps_some_tensors_with_the_dense_values(make):
         assert torch.equal(sx.gather(v), dense[k]), k
     with pytest.raises(sx.ShardingError, match=r"\['blocks\.9\.x'\] are not key paths"):
         sx.init_params(model, sx.Mesh({"dp": 1}), sx.rules.zero(3), only=["blocks.9.x"])
+
+
+def test_the_dry_run_draws_nothing_on_meta() -> None:
+    """``init_params`` finds what each initialiser writes by running it on
+    ``meta`` copies; the random fills there are skipped, not run (torch's
+    meta kernel for one imports ``torch._dynamo``: some 75 MiB in every
+    process that merely builds its parameters). In a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, shardax as sx\n"
+        "from torch import nn\n"
+        "model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8))\n"
+        "params = sx.init_params(model, sx.Mesh({'dp': 1}), sx.rules.zero(3))\n"
+        "assert set(params) == {'0.weight', '1.weight', '1.bias', '2.weight', '2.bias'}\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
