@@ -90,13 +90,16 @@ Every (mode, cp, seq, repeat) runs in fresh rank processes started by
 ``shardax launch``, in ``train.py``'s environment (``OMP_NUM_THREADS`` =
 cores / ranks, at least 1 — 4 ranks on this 2-core host share the cores,
 every side alike; glibc's mmap threshold at 4 MiB), cases interleaved across
-repeats. This host is shared: each run records the share of the machine's
-CPU time other processes took meanwhile (``others_cpu``: ``/proc/stat``'s
-busy time less this benchmark's own and its ranks'), and one above
-``--max-others`` (0.15) is marked ``busy``, run again (up to ``--retries``,
-2; the last try counts regardless) and left out of the medians. A run
-takes ``--warmup`` untimed steps, then times ``--steps`` steps between
-barriers (the slowest rank). **Tokens/s** is the sequence's
+repeats. This host is shared: each run first waits (up to
+``--quiet-wait``, 600 s) until other processes take at most
+``--max-others`` (0.15) of the CPU, records the share they took while it
+ran (``others_cpu``: ``/proc/stat``'s busy time less this benchmark's own
+and its ranks'), and above that share is marked ``busy`` and run again (up
+to ``--retries``, 2). The medians count a case's quiet runs (all of them,
+flagged ``disturbed``, where none was; ``--summarize FROM.json`` applies
+these rules to an earlier run's rows again). A run takes ``--warmup``
+untimed steps, then times ``--steps`` steps between barriers (the slowest
+rank). **Tokens/s** is the sequence's
 tokens over the step time (forward, backward, AdamW). **Memory** is measured
 in untimed steps after those (``--memory-steps``), per rank: a step's memory
 is its RSS high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``
@@ -110,15 +113,24 @@ length (gradients, the optimizer's update, communication buffers); the row
 reports the largest over the ranks (Linux only; ``null`` elsewhere), each
 rank's step and short-step memory, and each rank's peak RSS up to the end of
 the timed steps (read before the memory steps reset the high-water mark
-``getrusage`` reports too).
+``getrusage`` reports too). It is measured twice: **as trained**, in the
+allocator setting the timed steps ran in (glibc's mmap threshold at 4 MiB:
+smaller tensors come from the heap, whose holes count), then **live**
+(``activation_live_mib``), the threshold lowered to 128 KiB for the rest of
+the run, so that every tensor of that size or more is a mapping of its own
+and resident memory follows the tensors alive. The two differ by a rank's
+heap holes, about 10 MiB on this model whatever the rank count: no split of
+the sequence divides them, so "≈ 1/cp" is judged on the live measure and
+"≤ torch's" on both. Every side builds its model on CPU from the same seed
+(``setup``).
 
 The summary holds, per (cp, seq), each mode's medians over repeats; shardax
 over each torch mode (tokens/s: above 1 is faster; activation: below 1 is
 less) and over the better of torch's two rotate methods (``_vs_torch_best``:
 the faster, the smaller); each side's activation over ``single``'s (the
 ideal is 1/cp). ``criteria`` judges the goals over every (cp, seq): tokens/s
-≥ the best torch's, activation ≤ the best torch's and ≤ 1.25/cp of one
-process's. Every mode of a sequence length starts from the same weights and
+≥ the best torch's, activation ≤ the best torch's (both measures) and ≤
+1.25/cp of one process's (live; the as-trained verdict beside it). Every mode of a sequence length starts from the same weights and
 batch, so their first losses must agree to 1e-4 (``first_loss_spread``; a
 warning otherwise).
 
@@ -191,6 +203,13 @@ SHORT = 32
 does not grow with the sequence (32: a multiple of 2 for the head–tail split)."""
 ACTIVATION_SLACK = 1.25
 """The ≈ in "activation ≈ 1/cp of one process's": at most 1.25/cp."""
+LIVE_THRESHOLD = 128 * 2**10
+"""glibc's mmap threshold for the *live* memory steps: every tensor of 128
+KiB or more in a mapping of its own, returned to the OS when freed, so that
+resident memory follows the tensors alive (not the holes of a heap)."""
+MEASURES = {"activation_mib": "as trained", "activation_live_mib": "live"}
+"""The two activation measures: in the allocator setting the timed steps ran
+in, and with every tensor mapped on its own (``LIVE_THRESHOLD``)."""
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -412,10 +431,10 @@ def setup_shardax(cfg: GPTConfig, seed: int, zero: int = 0) -> Step:
     ranks, the batch split head–tail, ``value_and_grad``, ``optim.adamw``."""
     mesh = sx.Mesh({"cp": -1})
     rules = sx.rules.context_parallel("cp") + sx.rules.zero(zero, axis="cp")
-    with torch.device("meta"):
-        model = PositionedGPT(cfg)
+    model = PositionedGPT(cfg)  # on CPU, as the other sides' (see setup)
     torch.manual_seed(seed)
-    params = sx.init_params(model, mesh, rules)
+    params = sx.init_params(model, mesh, rules)  # its initialisation replayed, seeded
+    _to_meta(model)  # the template sx.apply runs; its dense weights go
     opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
     opt_state = opt.init(params)
     spec = sx.P(None, sx.zigzag("cp"))
@@ -436,8 +455,24 @@ def setup_shardax(cfg: GPTConfig, seed: int, zero: int = 0) -> Step:
     return step
 
 
+def _to_meta(model: torch.nn.Module) -> None:
+    """Move ``model`` to ``meta`` in place, its tied weights still tied (each
+    parameter object kept, its tensor swapped: ``.to`` would make new ones)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
 def setup(mode: str, cfg: GPTConfig, seed: int, zero: int = 0) -> Step:
-    """Build ``mode``'s model and optimizer on this rank; return its step."""
+    """Build ``mode``'s model and optimizer on this rank; return its step.
+    Every side builds the model on CPU from the same seed: built under
+    ``torch.device("meta")``, its random fills would run torch's meta
+    kernels, which import ``torch._dynamo`` — some 75 MiB more of every
+    process's resident memory, a part of the fixed cost the memory search
+    measures."""
     if mode == "single":
         return setup_single(cfg, seed)
     if mode == "shardax":
@@ -487,6 +522,46 @@ def step_memory(step: Step, x: torch.Tensor, y: torch.Tensor) -> float | None:
     return _status_mib("VmHWM") - before
 
 
+def step_memories(
+    step: Step, batch_at: Callable, short: Callable, first: int, count: int, live: bool = False
+) -> tuple[float, float] | None:
+    """This rank's largest step memory over ``count`` steps at the run's
+    length, and its step memory at the short one (the last of ``count``);
+    ``live``: with glibc's mmap threshold at ``LIVE_THRESHOLD`` from now
+    on. None where step memory cannot be measured."""
+    if live and not _map_each_tensor():
+        return None
+    memory = [step_memory(step, *batch_at(first + i)) for i in range(count)]
+    fixed = [step_memory(step, *short(first + i)) for i in range(count)]
+    return None if None in memory + fixed else (max(memory), fixed[-1])
+
+
+def _map_each_tensor() -> bool:
+    """Set glibc's mmap threshold to ``LIVE_THRESHOLD`` (``mallopt``);
+    whether it took."""
+    try:
+        return (
+            ctypes.CDLL("libc.so.6").mallopt(-3, ctypes.c_int(LIVE_THRESHOLD)) == 1
+        )  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def activation_fields(measured: list[tuple[float, float] | None], suffix: str) -> dict:
+    """The row's fields of one measure (``suffix`` "" as trained, "_live"):
+    the largest activation over the ranks, and each rank's activation, step
+    memory and short-step memory."""
+    if None in measured:
+        return {f"activation{suffix}_mib": None}
+    activation = [m - f for m, f in measured]  # type: ignore[misc]
+    return {
+        f"activation{suffix}_mib": max(activation),
+        f"activation{suffix}_mib_per_rank": activation,
+        f"step_memory{suffix}_mib_per_rank": [m for m, _ in measured],  # type: ignore[misc]
+        f"fixed_memory{suffix}_mib_per_rank": [f for _, f in measured],  # type: ignore[misc]
+    }
+
+
 # ---------------------------------------------------------------- one run, on every rank
 
 
@@ -516,24 +591,19 @@ def worker(args: argparse.Namespace) -> int:
     # step's at this length, and at a short one — what a step needs whatever the
     # length (gradients, the optimizer's update, buffers) — the difference the activations'
     first = args.warmup + args.steps
-    memory = [step_memory(step, *batch_at(first + i)) for i in range(args.memory_steps)]
     short = partial(window_batch, tokens, seed=args.seed, seq=SHORT * world, size=args.batch)
-    fixed = [step_memory(step, *short(first + i)) for i in range(args.memory_steps)]
-    mine = None if None in memory + fixed else (max(memory), fixed[-1])
+    counts = [step_memories(step, batch_at, short, first, args.memory_steps)]
+    counts.append(step_memories(step, batch_at, short, first, args.memory_steps, live=True))
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (rss_start, peak, mine))
+    dist.all_gather_object(everyone, (rss_start, peak, counts))
     if rank == 0:
-        measured = [m for _, _, m in everyone]
-        activation = None if None in measured else [m - f for m, f in measured]
         result = {
             "tokens_per_s": args.batch * args.seq * args.steps / float(seconds.sum()),
             "step_s": statistics.median(seconds.tolist()),
             "step_s_all": seconds.tolist(),
             "build_s": build_s,
-            "activation_mib": None if activation is None else max(activation),
-            "activation_mib_per_rank": activation,
-            "step_memory_mib_per_rank": None if activation is None else [m for m, _ in measured],
-            "fixed_memory_mib_per_rank": None if activation is None else [f for _, f in measured],
+            **activation_fields([c[0] for _, _, c in everyone], ""),
+            **activation_fields([c[1] for _, _, c in everyone], "_live"),
             "peak_rss_mib": max(peak for _, peak, _ in everyone),
             "peak_rss_mib_per_rank": [peak for _, peak, _ in everyone],
             "start_rss_mib_per_rank": [start for start, _, _ in everyone],
@@ -762,23 +832,45 @@ def run_once(case_name: str, repeat: int, cases: dict[str, Case], args: argparse
     return row
 
 
+def others_share(seconds: float = 2.0) -> float | None:
+    """The share of the machine's CPU time other processes take now, over
+    ``seconds`` while this benchmark waits; None without ``/proc/stat``."""
+    busy, own = busy_cpu_s(), own_cpu_s()
+    if busy is None:
+        return None
+    time.sleep(seconds)
+    others = (busy_cpu_s() - busy) - (own_cpu_s() - own)
+    return max(0.0, others) / (seconds * (os.cpu_count() or 1))
+
+
+def wait_for_quiet(args: argparse.Namespace) -> float:
+    """Wait, up to ``--quiet-wait`` seconds, until other processes take no
+    more than ``--max-others`` of the CPU; the seconds waited."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < args.quiet_wait:
+        share = others_share()
+        if share is None or share <= args.max_others:
+            break
+        time.sleep(10.0)
+    return time.perf_counter() - started
+
+
 def interleaved_runs(cases: dict[str, Case], args: argparse.Namespace) -> list[dict]:
     """Every case once per repeat, in order (A B C, A B C, …), each row
-    printed as a JSON line as it comes. A run during which other processes
-    took more than ``--max-others`` of the CPU time is marked ``busy`` and
-    run again, up to ``--retries`` times (the last try counts regardless);
-    the summary leaves busy runs out."""
+    printed as a JSON line as it comes. Each run waits for the machine to
+    be quiet first (``wait_for_quiet``); one during which other processes
+    still took more than ``--max-others`` of the CPU time is marked
+    ``busy`` and run again, up to ``--retries`` times."""
     rows: list[dict] = []
     for repeat in range(args.repeats):
         for name in cases:
-            for attempt in range(args.retries + 1):
-                rows.append(run_once(name, repeat, cases, args))
+            for _ in range(args.retries + 1):
+                waited = wait_for_quiet(args)
+                rows.append({**run_once(name, repeat, cases, args), "waited_s": waited})
                 others = rows[-1].get("others_cpu")
-                busy = others is not None and others > args.max_others
-                if busy and attempt < args.retries:
-                    rows[-1]["busy"] = True
+                rows[-1]["busy"] = others is not None and others > args.max_others
                 print(json.dumps(rows[-1]), flush=True)
-                if not rows[-1].get("busy"):
+                if not rows[-1]["busy"]:
                     break
     return rows
 
@@ -806,11 +898,11 @@ def medians(ok: list[dict]) -> dict:
     """One case's counted runs: medians of tokens/s, step time, activation
     and peak RSS, the first run's first loss, the last loss, the count, the
     largest share of the CPU other processes took."""
-    activations = [r["activation_mib"] for r in ok if r["activation_mib"] is not None]
+    activations = {key: [r[key] for r in ok if r.get(key) is not None] for key in MEASURES}
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
         "step_s": statistics.median(r["step_s"] for r in ok),
-        "activation_mib": statistics.median(activations) if activations else None,
+        **{key: statistics.median(a) if a else None for key, a in activations.items()},
         "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in ok),
         "first_loss": ok[0]["losses"][0],
         "last_loss": statistics.median(r["losses"][-1] for r in ok),
@@ -823,15 +915,18 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def summarize(rows: list[dict], cases: Sequence[Case]) -> dict:
-    """Per case, medians over repeats; per (cp, seq), shardax against torch
+def summarize(rows: list[dict], cases: Sequence[Case], max_others: float = 0.15) -> dict:
+    """Per case, medians over its counted runs — those during which other
+    processes took at most ``max_others`` of the CPU time, or all of them
+    (``disturbed``) where none was; per (cp, seq), shardax against torch
     and each side's activation against one process's; the criteria."""
     stats: dict[str, dict] = {}
     for case in cases:
         ok = [r for r in rows if r["mode"] == case.name and "error" not in r]
-        ok = [r for r in ok if not r.get("busy")]  # other jobs took the cores, and it ran again
+        quiet = [r for r in ok if r.get("others_cpu") is None or r["others_cpu"] <= max_others]
         if ok:
-            stats[case.name] = {"side": case.mode, "cp": case.cp, "seq": case.seq, **medians(ok)}
+            stats[case.name] = {"side": case.mode, "cp": case.cp, "seq": case.seq}
+            stats[case.name].update(medians(quiet or ok), disturbed=not quiet)
     comparisons = []
     for cp, seq in sorted({(c.cp, c.seq) for c in cases if c.mode != "single"}):
         get = {c.mode: stats.get(c.name) for c in cases if (c.cp, c.seq) == (cp, seq)}
@@ -839,9 +934,8 @@ def summarize(rows: list[dict], cases: Sequence[Case]) -> dict:
         item: dict = {"cp": cp, "seq": seq, "ideal_activation_vs_single": 1 / cp}
         for side, s in get.items():
             if s is not None and single is not None:
-                item[f"{side}_activation_vs_single"] = _ratio(
-                    s["activation_mib"], single["activation_mib"]
-                )
+                for key in MEASURES:
+                    item[f"{side}_{key[:-4]}_vs_single"] = _ratio(s[key], single[key])
         ours = get.get("shardax")
         rings = [get[m] for m in RING_MODES if get.get(m)]
         for mode in TORCH_MODES:
@@ -855,10 +949,11 @@ def summarize(rows: list[dict], cases: Sequence[Case]) -> dict:
             item["tokens_per_s_vs_torch_best"] = ours["tokens_per_s"] / max(
                 r["tokens_per_s"] for r in rings
             )
-            activations = [r["activation_mib"] for r in rings if r["activation_mib"] is not None]
-            item["activation_vs_torch_best"] = _ratio(
-                ours["activation_mib"], min(activations) if activations else None
-            )
+            for key in MEASURES:
+                theirs = [r[key] for r in rings if r.get(key) is not None]
+                item[f"{key[:-4]}_vs_torch_best"] = _ratio(
+                    ours[key], min(theirs) if theirs else None
+                )
         comparisons.append(item)
     summary: dict = {
         "summary": stats,
@@ -884,18 +979,30 @@ def summarize(rows: list[dict], cases: Sequence[Case]) -> dict:
 
 def criteria(comparisons: list[dict]) -> dict:
     """The goals over every (cp, seq) measured: shardax's tokens/s ≥ the
-    faster of torch's rotate methods', its activation ≤ the smaller of
-    theirs and ≤ ``ACTIVATION_SLACK``/cp of one process's; None where
-    nothing was measured."""
+    faster of torch's rotate methods'; its activation ≤ the smaller of
+    theirs, in both measures; and ≤ ``ACTIVATION_SLACK``/cp of one
+    process's in the live measure — the activations themselves (the as
+    trained one's verdict is reported beside it: a rank's heap keeps holes
+    of about the same size whatever the rank count, which no split of the
+    sequence divides). None where nothing was measured."""
 
     def every(key: str, ok: Callable[[float, dict], bool]) -> bool | None:
         values = [(c[key], c) for c in comparisons if c.get(key) is not None]
         return all(ok(v, c) for v, c in values) if values else None
 
+    def both(a: bool | None, b: bool | None) -> bool | None:
+        return None if a is None and b is None else bool(a) and bool(b)
+
     return {
         "tokens_per_s_ge_torch": every("tokens_per_s_vs_torch_best", lambda v, c: v >= 1.0),
-        "activation_le_torch": every("activation_vs_torch_best", lambda v, c: v <= 1.0),
+        "activation_le_torch": both(
+            every("activation_vs_torch_best", lambda v, c: v <= 1.0),
+            every("activation_live_vs_torch_best", lambda v, c: v <= 1.0),
+        ),
         "activation_about_1_over_cp": every(
+            "shardax_activation_live_vs_single", lambda v, c: v <= ACTIVATION_SLACK / c["cp"]
+        ),
+        "activation_about_1_over_cp_as_trained": every(
             "shardax_activation_vs_single", lambda v, c: v <= ACTIVATION_SLACK / c["cp"]
         ),
         "activation_slack": ACTIVATION_SLACK,
@@ -1092,16 +1199,17 @@ def memory_search(args: argparse.Namespace, shardax_reason: str | None) -> dict:
 
 def print_table(summary: dict, file=sys.stderr) -> None:
     """The summary, readable."""
-    print(f"{'case':<26}{'tokens/s':>10}{'step s':>9}{'act MiB':>9}{'peak MiB':>10}"
-          f"{'first loss':>12}", file=file)  # fmt: skip
+    print(f"{'case':<26}{'tokens/s':>10}{'step s':>9}{'act MiB':>9}{'live MiB':>9}"
+          f"{'peak MiB':>10}{'first loss':>12}", file=file)  # fmt: skip
     for name, s in summary["summary"].items():
-        act = "-" if s["activation_mib"] is None else f"{s['activation_mib']:.0f}"
-        print(f"{name:<26}{s['tokens_per_s']:>10.0f}{s['step_s']:>9.2f}{act:>9}"
+        act, live = ("-" if s.get(k) is None else f"{s[k]:.0f}" for k in MEASURES)
+        print(f"{name:<26}{s['tokens_per_s']:>10.0f}{s['step_s']:>9.2f}{act:>9}{live:>9}"
               f"{s['peak_rss_mib']:>10.0f}{s['first_loss']:>12.5f}", file=file)  # fmt: skip
     for c in summary["comparisons"]:
         parts = [f"cp{c['cp']} s{c['seq']}:"]
         for key in ("tokens_per_s_vs_torch", "tokens_per_s_vs_torch-alltoall",
-                    "activation_vs_torch_best", "shardax_activation_vs_single",
+                    "activation_vs_torch_best", "activation_live_vs_torch_best",
+                    "shardax_activation_vs_single", "shardax_activation_live_vs_single",
                     "torch_activation_vs_single"):  # fmt: skip
             if c.get(key) is not None:
                 parts.append(f"{key} {c[key]:.2f}")
@@ -1133,6 +1241,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="run again a run during which other processes took more than this "
                         "share of the CPU time (/proc/stat less this benchmark's)")  # fmt: skip
     parser.add_argument("--retries", type=int, default=2, help="tries more per busy run")
+    parser.add_argument("--quiet-wait", dest="quiet_wait", type=float, default=600.0,
+                        help="seconds each run may wait for other processes to leave the CPU")  # fmt: skip
+    parser.add_argument("--summarize", metavar="FROM.json",
+                        help="summarize the runs of an earlier JSON again (its probe and memory "
+                        "search kept) into --out; runs nothing")  # fmt: skip
     parser.add_argument("--zero", type=int, default=0, choices=range(4),
                         help="the ZeRO stage of the shardax mode, over the cp ranks (default 0: "
                         "parameters replicated, as torch's DDP)")  # fmt: skip
@@ -1167,7 +1280,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.cp, args.seqs, args.steps, args.warmup, args.repeats = [2], [256, 512], 2, 1, 1
-        args.memory_steps, args.retries = 1, 0  # the suite keeps the cores busy: no reruns
+        # the suite keeps the cores busy: no waiting, no reruns
+        args.memory_steps, args.retries, args.quiet_wait = 1, 0, 0.0
         args.d_model, args.n_layers, args.n_heads = 64, 2, 2
     if args.memory_search is None:
         args.memory_search = not args.smoke
@@ -1190,6 +1304,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def summarize_again(path: Path, args: argparse.Namespace) -> int:
+    """``--summarize``: the summary of an earlier run's rows, by this
+    version's rules (``--max-others``), its probe and memory search kept."""
+    earlier = json.loads(path.read_text())
+    cases = cases_of(earlier["modes"], earlier["cp"], earlier["seqs"])
+    summary = summarize(earlier["runs"], cases, args.max_others)
+    kept = {k: earlier[k] for k in ("torch_cp_on_cpu", "memory_search") if k in earlier}
+    stale = {"runs", "summary", "comparisons", "criteria", "first_loss_spread", "warning", "failed"}
+    header = {k: v for k, v in earlier.items() if k not in stale | kept.keys()}
+    header["max_others"] = args.max_others
+    result = {**header, "runs": earlier["runs"], **summary, **kept}
+    print_table(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -1197,6 +1328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # torch 2.13's gloo may abort in finalization (benchmarks/train.py)
+    if args.summarize:
+        return summarize_again(Path(args.summarize), args)
     reason = shardax_missing()
     skipped = {"shardax": reason} if reason and "shardax" in args.modes else {}
     modes = [m for m in args.modes if m not in skipped]
@@ -1223,6 +1356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"the last at {SHORT} tokens per rank (what a step needs whatever the length); the "
         "largest over the ranks",
         "memory_steps": args.memory_steps,
+        "max_others": args.max_others,
         "skipped": skipped,
     }
     print(json.dumps(header), flush=True)
@@ -1230,7 +1364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe = probe or {"skipped": "--no-probe"}
     by_name = {c.name: c for c in cases}
     rows = interleaved_runs(by_name, args)
-    summary = summarize(rows, cases)
+    summary = summarize(rows, cases, args.max_others)
     summary["torch_cp_on_cpu"] = probe
     summary["memory_search"] = memory_search(args, reason)
     print(json.dumps(summary), flush=True)
