@@ -10,8 +10,9 @@ the next block overlaps this block's compute), and merges the partial
 results by their log-sum-exp (the online softmax of flash attention). The
 backward is the same ring run again: each block's key/value gradients
 travel with it around the ring and arrive, summed, back at the rank that
-owns it. No rank ever holds more than two blocks: nothing of the whole
-sequence exists anywhere.
+owns it. No rank ever holds more than three blocks (its own, kept for the
+backward, and two passing through): nothing of the whole sequence exists
+anywhere.
 
 Under a causal mask a plain split gives the last rank all the work (its
 queries see every key) and the first almost none, so the sequence is split
