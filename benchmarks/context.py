@@ -113,16 +113,19 @@ length (gradients, the optimizer's update, communication buffers); the row
 reports the largest over the ranks (Linux only; ``null`` elsewhere), each
 rank's step and short-step memory, and each rank's peak RSS up to the end of
 the timed steps (read before the memory steps reset the high-water mark
-``getrusage`` reports too). It is measured twice: **as trained**, in the
-allocator setting the timed steps ran in (glibc's mmap threshold at 4 MiB:
-smaller tensors come from the heap, whose holes count), then **live**
-(``activation_live_mib``), the threshold lowered to 128 KiB for the rest of
-the run, so that every tensor of that size or more is a mapping of its own
-and resident memory follows the tensors alive. The two differ by a rank's
-heap holes, about 10 MiB on this model whatever the rank count: no split of
-the sequence divides them, so "≈ 1/cp" is judged on the live measure and
-"≤ torch's" on both. Every side builds its model on CPU from the same seed
-(``setup``).
+``getrusage`` reports too). That is activation memory **as trained**, in
+the allocator setting the timed steps ran in (glibc's mmap threshold at 4
+MiB: smaller tensors come from the heap, whose holes count). A **live**
+pass after the timed runs (``activation_live_mib``; ``LIVE_REPEATS`` runs
+per case, interleaved, untimed) measures it again in ranks started with the
+threshold at 128 KiB, so that every tensor of that size or more is a
+mapping of its own and resident memory follows the tensors alive (lowered
+mid-run it would come too late: the heap's free chunks, already there,
+would still serve them). The two differ by a rank's heap holes, about 10
+MiB on this model whatever the rank count: no split of the sequence divides
+them, so "≈ 1/cp" is judged on the live measure and "≤ torch's" on both.
+``--live-from FROM.json`` runs the live pass for an earlier run. Every side
+builds its model on CPU from the same seed (``setup``).
 
 The summary holds, per (cp, seq), each mode's medians over repeats; shardax
 over each torch mode (tokens/s: above 1 is faster; activation: below 1 is
@@ -210,6 +213,8 @@ resident memory follows the tensors alive (not the holes of a heap)."""
 MEASURES = {"activation_mib": "as trained", "activation_live_mib": "live"}
 """The two activation measures: in the allocator setting the timed steps ran
 in, and with every tensor mapped on its own (``LIVE_THRESHOLD``)."""
+LIVE_REPEATS = 3
+"""Runs per case of the live memory pass (at most ``--repeats``)."""
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -523,28 +528,14 @@ def step_memory(step: Step, x: torch.Tensor, y: torch.Tensor) -> float | None:
 
 
 def step_memories(
-    step: Step, batch_at: Callable, short: Callable, first: int, count: int, live: bool = False
+    step: Step, batch_at: Callable, short: Callable, first: int, count: int
 ) -> tuple[float, float] | None:
     """This rank's largest step memory over ``count`` steps at the run's
     length, and its step memory at the short one (the last of ``count``);
-    ``live``: with glibc's mmap threshold at ``LIVE_THRESHOLD`` from now
-    on. None where step memory cannot be measured."""
-    if live and not _map_each_tensor():
-        return None
+    None where step memory cannot be measured."""
     memory = [step_memory(step, *batch_at(first + i)) for i in range(count)]
     fixed = [step_memory(step, *short(first + i)) for i in range(count)]
     return None if None in memory + fixed else (max(memory), fixed[-1])
-
-
-def _map_each_tensor() -> bool:
-    """Set glibc's mmap threshold to ``LIVE_THRESHOLD`` (``mallopt``);
-    whether it took."""
-    try:
-        return (
-            ctypes.CDLL("libc.so.6").mallopt(-3, ctypes.c_int(LIVE_THRESHOLD)) == 1
-        )  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
 
 
 def activation_fields(measured: list[tuple[float, float] | None], suffix: str) -> dict:
@@ -566,7 +557,8 @@ def activation_fields(measured: list[tuple[float, float] | None], suffix: str) -
 
 
 def worker(args: argparse.Namespace) -> int:
-    """One rank of one run: build, warm up, time; rank 0 writes the result."""
+    """One rank of one run: build, warm up, time (not in the live pass),
+    measure memory; rank 0 writes the result."""
     torch.set_num_threads(args.threads)
     if args.worker == "probe":
         return probe_torch(args)
@@ -582,7 +574,11 @@ def worker(args: argparse.Namespace) -> int:
     step = setup(args.worker, cfg, args.seed, args.zero)
     build_s = time.perf_counter() - started
     batch_at = partial(window_batch, tokens, seed=args.seed, seq=args.seq, size=args.batch)
-    losses, seconds = timed_steps(step, batch_at, args.warmup, args.steps)
+    timed = 0 if args.live else args.steps
+    if args.live:
+        losses, seconds = [step(*batch_at(i)) for i in range(args.warmup)], None
+    else:
+        losses, seconds = timed_steps(step, batch_at, args.warmup, timed)
     loss = torch.stack(losses).double()
     dist.all_reduce(loss)  # the global loss: the mean of the ranks' (shardax's is already global)
     loss /= world
@@ -590,25 +586,23 @@ def worker(args: argparse.Namespace) -> int:
     # the memory, in steps of their own (the timed ones run as training does): a
     # step's at this length, and at a short one — what a step needs whatever the
     # length (gradients, the optimizer's update, buffers) — the difference the activations'
-    first = args.warmup + args.steps
     short = partial(window_batch, tokens, seed=args.seed, seq=SHORT * world, size=args.batch)
-    counts = [step_memories(step, batch_at, short, first, args.memory_steps)]
-    counts.append(step_memories(step, batch_at, short, first, args.memory_steps, live=True))
+    mine = step_memories(step, batch_at, short, args.warmup + timed, args.memory_steps)
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (rss_start, peak, counts))
+    dist.all_gather_object(everyone, (rss_start, peak, mine))
     if rank == 0:
-        result = {
-            "tokens_per_s": args.batch * args.seq * args.steps / float(seconds.sum()),
-            "step_s": statistics.median(seconds.tolist()),
-            "step_s_all": seconds.tolist(),
-            "build_s": build_s,
-            **activation_fields([c[0] for _, _, c in everyone], ""),
-            **activation_fields([c[1] for _, _, c in everyone], "_live"),
-            "peak_rss_mib": max(peak for _, peak, _ in everyone),
-            "peak_rss_mib_per_rank": [peak for _, peak, _ in everyone],
-            "start_rss_mib_per_rank": [start for start, _, _ in everyone],
-            "losses": loss.tolist(),
-        }
+        result = {"build_s": build_s, "losses": loss.tolist()}
+        if args.live:
+            result["mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+        else:
+            assert seconds is not None
+            result["tokens_per_s"] = args.batch * args.seq * args.steps / float(seconds.sum())
+            result["step_s"] = statistics.median(seconds.tolist())
+            result["step_s_all"] = seconds.tolist()
+        result.update(activation_fields([m for _, _, m in everyone], "_live" if args.live else ""))
+        result["peak_rss_mib"] = max(peak for _, peak, _ in everyone)
+        result["peak_rss_mib_per_rank"] = [peak for _, peak, _ in everyone]
+        result["start_rss_mib_per_rank"] = [start for start, _, _ in everyone]
         Path(args.result).write_text(json.dumps(result))
     dist.destroy_process_group()
     return 0
@@ -812,19 +806,33 @@ def own_cpu_s() -> float:
     return sum(r.ru_utime + r.ru_stime for r in mine)
 
 
-def run_once(case_name: str, repeat: int, cases: dict[str, Case], args: argparse.Namespace) -> dict:
+def run_once(
+    case_name: str,
+    repeat: int,
+    cases: dict[str, Case],
+    args: argparse.Namespace,
+    live: bool = False,
+) -> dict:
     """Launch one run of a case on fresh ranks; its JSON row, with the share
     of the machine's CPU time that other processes took meanwhile
-    (``others_cpu``: near 0 when this benchmark had the cores to itself)."""
+    (``others_cpu``: near 0 when this benchmark had the cores to itself).
+    ``live``: the live memory pass's run (untimed; every tensor of
+    ``LIVE_THRESHOLD`` or more mapped on its own from the start)."""
     case = cases[case_name]
     row: dict = {"mode": case.name, "side": case.mode, "cp": case.cp, "seq": case.seq}
     row["repeat"] = repeat
+    env = rank_env(case.cp)
+    if live:
+        row["pass"] = "live"
+        env["MALLOC_MMAP_THRESHOLD_"] = str(LIVE_THRESHOLD)
     busy, own = busy_cpu_s(), own_cpu_s()
     with tempfile.TemporaryDirectory(prefix="shardax-context-bench-") as tmp:
         result = Path(tmp) / "result.json"
-        argv = worker_argv(case.mode, case.cp, case.seq, args, result)
+        argv = worker_argv(case.mode, case.cp, case.seq, args, result) + (
+            ["--live"] if live else []
+        )
         launch_args = argparse.Namespace(nproc=case.cp, verbose=args.verbose)
-        launch_run(argv, rank_env(case.cp), launch_args, result, row)
+        launch_run(argv, env, launch_args, result, row)
     _stop_if_stopped(row.get("error", ""))
     if busy is not None:
         others = (busy_cpu_s() - busy) - (own_cpu_s() - own)
@@ -872,6 +880,18 @@ def interleaved_runs(cases: dict[str, Case], args: argparse.Namespace) -> list[d
                 print(json.dumps(rows[-1]), flush=True)
                 if not rows[-1]["busy"]:
                     break
+    return rows
+
+
+def live_pass(cases: dict[str, Case], args: argparse.Namespace) -> list[dict]:
+    """The live memory pass: every case ``LIVE_REPEATS`` more times (at most
+    ``--repeats``), interleaved, untimed, each rank's allocator mapping
+    every tensor of ``LIVE_THRESHOLD`` or more on its own from the start."""
+    rows: list[dict] = []
+    for repeat in range(min(args.repeats, LIVE_REPEATS)):
+        for name in cases:
+            rows.append(run_once(name, repeat, cases, args, live=True))
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -923,10 +943,15 @@ def summarize(rows: list[dict], cases: Sequence[Case], max_others: float = 0.15)
     stats: dict[str, dict] = {}
     for case in cases:
         ok = [r for r in rows if r["mode"] == case.name and "error" not in r]
+        live = [r for r in ok if r.get("pass") == "live"]
+        ok = [r for r in ok if r.get("pass") != "live"]
         quiet = [r for r in ok if r.get("others_cpu") is None or r["others_cpu"] <= max_others]
         if ok:
             stats[case.name] = {"side": case.mode, "cp": case.cp, "seq": case.seq}
             stats[case.name].update(medians(quiet or ok), disturbed=not quiet)
+            found = [r["activation_live_mib"] for r in live if r.get("activation_live_mib")]
+            stats[case.name]["activation_live_mib"] = statistics.median(found) if found else None
+            stats[case.name]["live_repeats"] = len(found)
     comparisons = []
     for cp, seq in sorted({(c.cp, c.seq) for c in cases if c.mode != "single"}):
         get = {c.mode: stats.get(c.name) for c in cases if (c.cp, c.seq) == (cp, seq)}
@@ -1243,6 +1268,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=2, help="tries more per busy run")
     parser.add_argument("--quiet-wait", dest="quiet_wait", type=float, default=600.0,
                         help="seconds each run may wait for other processes to leave the CPU")  # fmt: skip
+    parser.add_argument("--live", action="store_true", help=argparse.SUPPRESS)  # a live-pass rank
+    parser.add_argument("--live-from", dest="live_from", metavar="FROM.json",
+                        help="run the live memory pass for an earlier run's cases and write it "
+                        "with that run's rows, summarized again, into --out")  # fmt: skip
     parser.add_argument("--summarize", metavar="FROM.json",
                         help="summarize the runs of an earlier JSON again (its probe and memory "
                         "search kept) into --out; runs nothing")  # fmt: skip
@@ -1306,15 +1335,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def summarize_again(path: Path, args: argparse.Namespace) -> int:
     """``--summarize``: the summary of an earlier run's rows, by this
-    version's rules (``--max-others``), its probe and memory search kept."""
+    version's rules (``--max-others``), its probe and memory search kept;
+    ``--live-from``: the same, its live memory pass run (again) first."""
     earlier = json.loads(path.read_text())
     cases = cases_of(earlier["modes"], earlier["cp"], earlier["seqs"])
-    summary = summarize(earlier["runs"], cases, args.max_others)
+    runs = earlier["runs"]
+    if args.live_from:  # its live pass (again), on the same cases, model and steps
+        for key in ("batch", "warmup", "memory_steps", "zero", "repeats"):
+            setattr(args, key, earlier[key])
+        args.d_model, args.n_layers, args.n_heads = (
+            earlier["model"][k] for k in ("d_model", "n_layers", "n_heads")
+        )
+        # the timed runs as they were (without the live fields of an earlier way
+        # of measuring it: lowering the threshold mid-run, too late for the heap)
+        runs = [{k: v for k, v in r.items() if "_live" not in k} for r in runs]
+        runs = [r for r in runs if r.get("pass") != "live"]
+        runs += live_pass({c.name: c for c in cases}, args)
+    summary = summarize(runs, cases, args.max_others)
     kept = {k: earlier[k] for k in ("torch_cp_on_cpu", "memory_search") if k in earlier}
     stale = {"runs", "summary", "comparisons", "criteria", "first_loss_spread", "warning", "failed"}
     header = {k: v for k, v in earlier.items() if k not in stale | kept.keys()}
     header["max_others"] = args.max_others
-    result = {**header, "runs": earlier["runs"], **summary, **kept}
+    result = {**header, "runs": runs, **summary, **kept}
     print_table(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -1328,8 +1370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # torch 2.13's gloo may abort in finalization (benchmarks/train.py)
-    if args.summarize:
-        return summarize_again(Path(args.summarize), args)
+    if args.summarize or args.live_from:
+        return summarize_again(Path(args.summarize or args.live_from), args)
     reason = shardax_missing()
     skipped = {"shardax": reason} if reason and "shardax" in args.modes else {}
     modes = [m for m in args.modes if m not in skipped]
@@ -1364,6 +1406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe = probe or {"skipped": "--no-probe"}
     by_name = {c.name: c for c in cases}
     rows = interleaved_runs(by_name, args)
+    rows += live_pass(by_name, args)
     summary = summarize(rows, cases, args.max_others)
     summary["torch_cp_on_cpu"] = probe
     summary["memory_search"] = memory_search(args, reason)
