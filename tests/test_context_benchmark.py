@@ -122,7 +122,13 @@ def test_context_benchmark_smoke(tmp_path):
         for key in ("activation", "activation_live"):
             least = min(t[f"{key}_mib"] for t in theirs)
             assert c[f"{key}_vs_torch_best"] == ours[f"{key}_mib"] / least
-            assert c[f"shardax_{key}_vs_single"] > 0
+            single = stats[f"single-s{c['seq']}"][f"{key}_mib"]
+            assert c[f"shardax_{key}_vs_single"] == (
+                ours[f"{key}_mib"] / single if single else None
+            )
+        # tiny sizes: the live pass's tensors are mostly below its 128 KiB
+        # threshold, in the heap, so only the as-trained share is surely positive
+        assert c["shardax_activation_vs_single"] > 0
         assert c["ideal_activation_vs_single"] == 0.5
     assert set(summary["criteria"]) >= {"tokens_per_s_ge_torch", "activation_le_torch"}
     check_probe(summary["torch_cp_on_cpu"]["cp2"], 2)
