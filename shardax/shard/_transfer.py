@@ -338,7 +338,11 @@ class Reducer:
         if not prog.ops:
             sink(grad)
             return
-        if not (
+        hierarchical = _scatter_then_sum(prog)
+        if hierarchical is not None:  # HSDP: each piece then summed over the replicas, bucketed too
+            op, over = hierarchical
+            sink = functools.partial(self._bucket, op=over, sink=sink)
+        elif not (
             isinstance(op, ReduceScatter) or (isinstance(op, AllReduce) and op.reduce == "sum")
         ):
             sink(prog.run(grad))
@@ -350,6 +354,11 @@ class Reducer:
         if isinstance(op, ReduceScatter) and direct(grad, op):
             self._fly(start_psum_scatter_direct(grad, op, sink))
             return
+        self._bucket(grad, op, sink)
+
+    def _bucket(self, grad: torch.Tensor, op: Any, sink: Sink) -> None:
+        """``grad`` into the open bucket of ``op``'s kind, group and dtype,
+        launched once it holds ``bucket_bytes``."""
         key = (type(op).__name__, id(op.group), grad.dtype)
         self._open.setdefault(key, []).append((grad, op, sink))
         self._sizes[key] = self._sizes.get(key, 0) + grad.numel() * grad.element_size()
@@ -372,11 +381,24 @@ class Reducer:
             self._flying.pop(0)()
 
     def finish(self) -> None:
-        for key in list(self._open):
-            self._launch(key)
-        flying, self._flying = self._flying, []
-        for done in flying:
-            done()
+        while self._open or self._flying:  # a finished psum_scatter may fill a psum's bucket
+            for key in list(self._open):
+                self._launch(key)
+            flying, self._flying = self._flying, []
+            for done in flying:
+                done()
+
+
+def _scatter_then_sum(prog: Program) -> tuple[ReduceScatter, AllReduce] | None:
+    """The two collectives of a program that is a psum_scatter then a psum
+    (sum) over other axes — a gradient of hybrid sharding: split over the
+    axes within a replica, summed over the replicas — else None."""
+    if len(prog.ops) != 2:
+        return None
+    first, then = prog.ops
+    if isinstance(first, ReduceScatter) and isinstance(then, AllReduce) and then.reduce == "sum":
+        return first, then
+    return None
 
 
 def _reshaped(sink: Sink, shape: tuple[int, ...]) -> Sink:
