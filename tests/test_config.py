@@ -237,6 +237,35 @@ def test_context_parallelism_in_a_config_shards_over_cp_and_splits_the_sequence(
     assert "rules.zero(1, ('dp', 'ep', 'cp'))" in both.plan(8)
 
 
+def test_hybrid_sharding_in_a_config_shards_within_replicas():
+    """``parallel.replicate``: the batch split over the replicas and the data
+    axis, ZeRO over the data axis only (each replica holds every shard), the
+    plan says so; an axis named twice, or a replica axis the mesh lacks, is
+    refused."""
+    config = RunConfig.from_text(
+        'mesh: {replicate: 2, dp: 2}\nparallel: {zero: 3, replicate: "replicate"}\n'
+        "batch: {global: 8, accumulation: 1}\n"
+    )
+    assert RunConfig.from_dict(config.to_dict()) == config
+    assert config.data_axes == ("replicate", "dp") and config.dp_size(4) == 4
+    assert config.batch_spec == sx.P(("replicate", "dp"))
+    mesh = config.abstract_mesh(4)
+    assert config.make_rules().spec_for("blocks.0.mlp.fc.weight", (16, 8), mesh) == sx.P("dp")
+    plan = config.plan(4)
+    assert "rules.zero(3, 'dp') in each replica, replicas over 'replicate' (HSDP)" in plan
+    assert "batch: global 8 = micro 2 x accumulation 1 x data-parallel 4" in plan
+    experts = RunConfig.from_dict({"mesh": {"replicate": 2, "dp": 1, "ep": 2},
+                                   "parallel": {"zero": 2, "ep": "ep", "replicate": "replicate"}})  # fmt: skip
+    assert experts.data_axes == ("replicate", "dp", "ep")
+    assert "rules.zero(2, ('dp', 'ep'))" in experts.plan(4)
+    with pytest.raises(ConfigError, match=r"replicate and parallel\.zero_axis both name"):
+        RunConfig.from_dict({"parallel": {"replicate": "dp"}})
+    with pytest.raises(ConfigError, match=r"parallel\.replicate names mesh axis 'replica'"):
+        RunConfig.from_dict(
+            {"mesh": {"replicate": 2, "dp": 2}, "parallel": {"replicate": "replica"}}
+        )
+
+
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])
 def test_shared_deepspeed_configs_convert(path):
     """Each real config converts, or is refused naming every key whose loss

@@ -158,16 +158,22 @@ class RunConfig:
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The axes each batch is split over: the data axis
-        (``parallel.zero_axis``) and, with experts, ``parallel.ep`` — whose
+        (``parallel.zero_axis``), after ``parallel.replicate`` where there
+        are replicas (HSDP), and, with experts, ``parallel.ep`` — whose
         ranks take their own rows too (DeepSpeed's expert-data groups).
 
         >>> RunConfig.from_dict({"mesh": {"dp": 2, "ep": 2}, "parallel": {"ep": "ep"}}).data_axes
         ('dp', 'ep')
+        >>> hsdp = {"mesh": {"replicate": 2, "dp": 4}, "parallel": {"zero": 3, "replicate": "replicate"}}
+        >>> RunConfig.from_dict(hsdp).data_axes
+        ('replicate', 'dp')
         """
         p = self.parallel
         if p.ep is None:
-            return (p.zero_axis,)
-        return tuple(a for a in (p.zero_axis, p.ep) if a in self.mesh)
+            inner: tuple[str, ...] = (p.zero_axis,)
+        else:
+            inner = tuple(a for a in (p.zero_axis, p.ep) if a in self.mesh)
+        return inner if p.replicate is None else (p.replicate, *inner)
 
     @property
     def batch_spec(self) -> Any:
@@ -195,7 +201,8 @@ class RunConfig:
         ranks hold the same parameters and sum their gradients, as data
         ranks do (torchtitan's FSDP over dp_shard × cp)."""
         p = self.parallel
-        axes = self.data_axes if p.ep is not None else (p.zero_axis,)
+        inner = tuple(a for a in self.data_axes if a != p.replicate)  # not over the replicas
+        axes = inner if p.ep is not None else (p.zero_axis,)
         if p.cp is not None:
             axes = (*axes, p.cp)
         return axes if len(axes) > 1 else axes[0]
@@ -357,7 +364,8 @@ def _check_axes(run: RunConfig) -> None:
     p, axes = run.parallel, sorted(run.mesh)
     named = [("parallel.zero_axis", p.zero_axis if p.zero else None),
              ("parallel.tp", p.tp), ("parallel.sp", p.sp), ("parallel.pp", p.pp),
-             ("parallel.ep", p.ep), ("parallel.cp", p.cp)]  # fmt: skip
+             ("parallel.ep", p.ep), ("parallel.cp", p.cp),
+             ("parallel.replicate", p.replicate)]  # fmt: skip
     for key, axis in named:
         if axis is not None and axis not in run.mesh:
             close = difflib.get_close_matches(axis, axes, n=1, cutoff=0.5)
@@ -367,7 +375,7 @@ def _check_axes(run: RunConfig) -> None:
                 f"{axes}; add it to mesh or name one of those"
             )
     # the data axis splits the batch even at ZeRO-0
-    used = {p.zero_axis, p.tp, p.sp, p.pp, p.ep, p.cp}
+    used = {p.zero_axis, p.tp, p.sp, p.pp, p.ep, p.cp, p.replicate}
     idle = [a for a, n in run.mesh.items() if n != 1 and a not in used]
     if idle:
         raise ConfigError(
@@ -375,8 +383,8 @@ def _check_axes(run: RunConfig) -> None:
             f"preset: its ranks would only repeat each other's work. Name it as "
             f"parallel.tp (tensor parallelism), parallel.sp (Ulysses), parallel.pp "
             f"(pipeline), parallel.ep (experts) or parallel.cp (context parallelism), "
-            f"make it the data axis "
-            f"(parallel.zero_axis), or give it size 1"
+            f"make it the data axis (parallel.zero_axis) or the replicas' "
+            f"(parallel.replicate, hybrid sharding), or give it size 1"
         )
 
 
@@ -386,6 +394,8 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
     batch = run.batch.resolve(run.dp_size(world_size))
     p, o, s = run.parallel, run.optimizer, run.schedule
     presets = [f"rules.zero({p.zero}, {run._zero_axes!r})"]
+    if p.replicate:
+        presets[0] += f" in each replica, replicas over {p.replicate!r} (HSDP)"
     if p.tp:
         presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
     if p.sp:

@@ -33,6 +33,9 @@ from ._hjson import _first_key, _keyed, _unknown
 @attrs.frozen
 class ParallelConfig:
     """Which presets shard the model: ``zero`` (0–3) over ``zero_axis``;
+    ``replicate`` — a second data axis whose ranks hold replicas (hybrid
+    sharding, HSDP/MiCS: ZeRO within each replica, over ``zero_axis``; the
+    batch split over both, gradients summed over the replicas);
     ``tp`` — the mesh axis of ``rules.megatron`` (``sequence_parallel`` for
     Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``pp`` — the
     pipeline axis, run by the ``pp_schedule`` generator (``pipeline.<name>``)
@@ -48,6 +51,7 @@ class ParallelConfig:
 
     zero: int = attrs.field(default=0, converter=_as_int("zero"))
     zero_axis: str = attrs.field(default="dp", converter=_as_str("zero_axis"))
+    replicate: str | None = attrs.field(default=None, converter=_optional(_as_str, "replicate"))
     tp: str | None = attrs.field(default=None, converter=_optional(_as_str, "tp"))
     sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
     sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
@@ -76,6 +80,13 @@ class ParallelConfig:
                     f"ep and parallel.{key} both name the axis {self.ep!r}: experts need "
                     "an axis of their own (a mesh of {'dp': ..., 'ep': ...} splits the data "
                     "ranks into expert groups)"
+                )
+        for key, axis in [*named, ("ep", self.ep), ("cp", self.cp)]:
+            if self.replicate is not None and axis == self.replicate:
+                raise ConfigError(
+                    f"replicate and parallel.{key} both name the axis {self.replicate!r}: the "
+                    "replicas need an axis of their own (a mesh of {'replicate': ..., 'dp': "
+                    "...} shards over dp within each replica)"
                 )
         for key, axis in [*named, ("ep", self.ep)]:
             if self.cp is not None and axis == self.cp:
