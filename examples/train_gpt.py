@@ -882,7 +882,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     precision = run.precision.params
     say(
         f"{mesh} on {info.world_size} rank(s); GPT {args.preset}: "
-        f"{param_count(cfg) / 1e6:.2f}M params; ZeRO-{run.parallel.zero}, {run.optimizer.type}, "
+        f"{param_count(cfg) / 1e6:.2f}M params; ZeRO-{run.parallel.zero}"
+        + (
+            f" in each replica over {run.parallel.replicate} (HSDP)"
+            if run.parallel.replicate
+            else ""
+        )
+        + f", {run.optimizer.type}, "
         f"{precision}, global batch {batch.global_size} x {cfg.seq_len} tokens"
         + (f" in {accumulation} micro-steps" if accumulation > 1 else "")
         + (f"; tensor parallel over {run.parallel.tp}" if run.parallel.tp else "")

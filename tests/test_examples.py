@@ -218,6 +218,36 @@ def test_train_gpt_with_remat_and_state_on_disk_gives_the_same_losses(tmp_path, 
     assert list(state.iterdir()) == []  # every file unlinked as it was made
 
 
+@pytest.mark.slow
+def test_train_gpt_with_hybrid_sharding_gives_the_data_parallel_losses(tmp_path):
+    """A run config with replicas (``parallel.replicate``) on 4 ranks: ZeRO-3
+    within each replica of 2, the batch over all 4. The global batches are
+    those of ZeRO-3 over 4 data ranks, and so are the losses; the plan says
+    HSDP, and the checkpoint holds the parameters split over ``dp`` only."""
+    runs = {}
+    for name, text in {
+        "hsdp": 'mesh: {replicate: 2, dp: 2}\nparallel: {zero: 3, replicate: "replicate"}\n',
+        "dp": "mesh: {dp: 4}\nparallel: {zero: 3}\n",
+    }.items():
+        config = tmp_path / f"{name}.hjson"
+        config.write_text(text)
+        done = launch(
+            "--nproc-per-node", "4", "examples/train_gpt.py", *TINY, "--steps", "3",
+            "--batch-size", "4", "--config", str(config), "--out", str(tmp_path / name),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[name] = list(csv.DictReader((tmp_path / name / "loss.csv").read_text().splitlines()))
+        if name == "hsdp":
+            assert "ZeRO-3 in each replica over replicate (HSDP)" in done.stdout
+            index = sx.ckpt.read_index(tmp_path / name / "step-00000003")
+            assert index.leaves["params.wte.weight"].spec == sx.P("dp")
+    assert [r["step"] for r in runs["hsdp"]] == ["1", "2", "3"]
+    for a, b in zip(runs["hsdp"], runs["dp"], strict=True):
+        for key in ("loss", "val_loss"):
+            if b[key]:
+                assert abs(float(a[key]) - float(b[key])) <= 1e-6 * float(b[key]), (key, a, b)
+
+
 def test_train_gpt_with_context_parallelism_gives_the_one_process_losses(
     tmp_path, train_gpt, capsys
 ):
