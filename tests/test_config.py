@@ -266,6 +266,22 @@ def test_hybrid_sharding_in_a_config_shards_within_replicas():
         )
 
 
+def test_deepspeed_mics_converts_to_hybrid_sharding():
+    """``mics_shard_size: 4`` (ZeRO within groups of 4 ranks, replicas across
+    them) becomes the mesh ``{replicate: -1, dp: 4}`` with
+    ``parallel.replicate``; -1 (off) changes nothing; a size of 0 is refused."""
+    ds = {"train_batch_size": 32, "zero_optimization": {"stage": 3, "mics_shard_size": 4}}
+    data, unmapped = from_deepspeed(ds)
+    assert unmapped == [] and data["mesh"] == {"replicate": -1, "dp": 4}
+    config = RunConfig.from_dict(data)
+    assert config.parallel.replicate == "replicate" and config.data_axes == ("replicate", "dp")
+    assert config.abstract_mesh(8).shape == {"replicate": 2, "dp": 4}
+    off, notes = from_deepspeed({"zero_optimization": {"stage": 3, "mics_shard_size": -1}})
+    assert off == {"parallel": {"zero": 3}} and notes[0][0] == "zero_optimization.mics_shard_size"
+    with pytest.raises(ConfigError, match="a group size or -1; got 0"):
+        from_deepspeed({"zero_optimization": {"mics_shard_size": 0}})
+
+
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])
 def test_shared_deepspeed_configs_convert(path):
     """Each real config converts, or is refused naming every key whose loss

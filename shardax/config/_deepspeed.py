@@ -293,6 +293,10 @@ def _ds_zero(zero: Mapping[str, Any], put: Put, skip: Skip) -> None:
         elif key == "reduce_bucket_size":
             if value != "auto":
                 put("parallel", "bucket_bytes", int(_number(where, value)) * 4)  # fp32 elements
+        elif key == "mics_shard_size":
+            _ds_mics(_whole(where, value), where, put, skip)
+        elif key == "mics_hierarchical_params_gather":
+            skip(where, "hybrid sharding gathers parameters within a replica only", False)
         elif key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
             target = "offload_opt" if key == "offload_optimizer" else "offload_params"
             _ds_offload(value, where, target, put, skip)
@@ -303,6 +307,21 @@ def _ds_zero(zero: Mapping[str, Any], put: Put, skip: Skip) -> None:
             skip(where, _DS_IGNORED[where], False)
         else:
             skip(where, "no shardax setting for it")
+
+
+def _ds_mics(size: int, where: str, put: Put, skip: Skip) -> None:
+    """MiCS (``mics_shard_size``: shard within groups of that many ranks,
+    replicate across them) as hybrid sharding: the mesh
+    ``{replicate: -1, dp: size}`` with ZeRO over ``dp``; -1 (off) changes
+    nothing."""
+    if size == -1:
+        skip(where, "-1: MiCS off, ZeRO over every rank (the default)", False)
+        return
+    if size < 1:
+        raise ConfigError(f"DeepSpeed config: {where} is a group size or -1; got {size}")
+    put("mesh", "replicate", -1)
+    put("mesh", "dp", size)
+    put("parallel", "replicate", "replicate")
 
 
 def _ds_offload(value: Mapping[str, Any], where: str, target: str, put: Put, skip: Skip) -> None:
