@@ -1,0 +1,86 @@
+"""Two emulated nodes (network namespaces joined by a rate-limited veth,
+``shardax.launch._emulated``): 2 + 2 ranks train nothing but move known
+bytes, and the link's own counters show what crossed it — a psum over every
+rank sends its buffer once each way between the nodes' leaders (the
+shared-memory backend sums within a node first), a psum within a node sends
+nothing across. Nothing of the namespaces is left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shardax.errors import LaunchError
+from shardax.launch._emulated import EmulatedCluster, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, torch, shardax as sx
+    from shardax.launch._emulated import link_bytes_sent
+    sx.init(timeout=120)
+    mesh = sx.Mesh({"node": 2, "local": 2})
+    x = torch.ones(2**20)  # 4 MiB
+    crossed = {}
+    for name, axes in (("everyone", ("node", "local")), ("in_node", ("local",))):
+        sx.collectives.psum(torch.ones(1), ("node", "local"), mesh=mesh)  # all arrive
+        before = link_bytes_sent()
+        with sx.collectives.traffic() as t:
+            y = sx.collectives.psum(x, axes, mesh=mesh)
+        # every rank done: the other node has received all this one sent
+        sx.collectives.psum(torch.ones(1), ("node", "local"), mesh=mesh)
+        logged = {op + ":" + ",".join(ax): n for (op, ax), n in t.bytes.items()}
+        crossed[name] = (link_bytes_sent() - before, logged, y[0].item())
+    print("RESULT", json.dumps({"rank": mesh.rank, **crossed}), flush=True)
+    """
+)
+
+
+def _results(outs: list[subprocess.CompletedProcess]) -> list[dict]:
+    rows = []
+    for done in outs:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rows += [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
+                 if "RESULT " in line]  # fmt: skip
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def test_what_crosses_the_link_is_what_the_collective_sends(tmp_path):
+    script = tmp_path / "moves.py"
+    script.write_text(SCRIPT)
+    with EmulatedCluster("1gbit") as cluster:
+        names = set(cluster.namespaces)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert names <= {line.split()[0] for line in listed.splitlines() if line.strip()}
+        rows = _results(cluster.launch([str(script)], nproc_per_node=2))
+        total = cluster.sent()
+    size = 4 * 2**20
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        sent, logged, value = r["everyone"]
+        assert value == 4.0 and logged == {"psum:node,local": size}  # the traffic log's size
+        # the leaders' all-reduce between 2 nodes: each sends the buffer once (the ring's
+        # 2(n-1)/n), plus a few packets of headers and the barriers around it
+        assert size <= sent <= size * 1.05 + 64 * 2**10, sent
+        in_node, logged, local_value = r["in_node"]
+        assert local_value == 2.0 and logged == {"psum:local": size}
+        assert in_node < 64 * 2**10, in_node  # it stays in the node
+    assert min(total) >= size  # and the link's counters read from outside agree
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not names & {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def test_a_latency_the_kernel_cannot_set_is_refused_by_name():
+    cluster = EmulatedCluster("1gbit", delay_ms=0.1)
+    try:
+        with cluster:
+            pass  # this kernel has netem: the delay was set
+    except LaunchError as err:
+        assert "no netem qdisc" in str(err) and "delay_ms=None" in str(err)
+    assert not cluster.made
+    assert sys.platform.startswith("linux")
