@@ -84,3 +84,49 @@ def test_a_latency_the_kernel_cannot_set_is_refused_by_name():
         assert "no netem qdisc" in str(err) and "delay_ms=None" in str(err)
     assert not cluster.made
     assert sys.platform.startswith("linux")
+
+
+STEP = textwrap.dedent(
+    """
+    import json, sys, torch, shardax as sx
+    from torch import nn
+    from shardax.launch._emulated import link_bytes_sent
+    sx.init(timeout=120)
+    hsdp = sys.argv[1] == "hsdp"
+    mesh = sx.Mesh({"replicate": 2, "fsdp": 2} if hsdp else {"dp": 4})
+    rules = sx.rules.zero(3, "fsdp" if hsdp else "dp")
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    torch.manual_seed(0)
+    params = sx.init_params(model, mesh, rules)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(mesh.rank))
+    loss = lambda p: sx.apply(model, p, x).square().mean()
+    step = sx.value_and_grad(loss)
+    step(params)  # warm: groups made, plans compiled
+    everyone = tuple(mesh.axis_names)
+    sx.collectives.psum(torch.ones(1), everyone, mesh=mesh)
+    before = link_bytes_sent()
+    value, grads = step(params)
+    sx.collectives.psum(torch.ones(1), everyone, mesh=mesh)
+    n = sum(p.numel() for p in model.parameters())
+    print("RESULT", json.dumps({"rank": mesh.rank, "sent": link_bytes_sent() - before, "n": n}))
+    """
+)
+
+
+def test_hybrid_sharding_sends_only_the_replicas_all_reduce_across(tmp_path):
+    """One ZeRO-3 step of a 1M-parameter model on 2 + 2 ranks. As HSDP
+    (shards within each node, replicas across) a node sends 4P bytes across
+    the link: its two ranks each all-reduce their half of the gradients
+    with their replica. ZeRO-3 over all four ranks sends more: its gathers
+    and its reduce-scatter cross the link too."""
+    script = tmp_path / "step.py"
+    script.write_text(STEP)
+    sent = {}
+    with EmulatedCluster("1gbit") as cluster:
+        for layout in ("hsdp", "zero3"):
+            rows = _results(cluster.launch([str(script), layout], nproc_per_node=2))
+            sent[layout] = max(r["sent"] for r in rows)
+            size = 4 * rows[0]["n"]
+    assert size <= sent["hsdp"] <= size * 1.05 + 64 * 2**10, (sent, size)
+    assert sent["zero3"] > 1.5 * sent["hsdp"], sent
