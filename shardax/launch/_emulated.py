@@ -17,6 +17,7 @@ Bytes crossing the link are read from the veth's own counters
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -26,12 +27,13 @@ from pathlib import Path
 
 from ..errors import LaunchError
 
-__all__ = ["LINK_ENV", "EmulatedCluster", "link_bytes_sent", "unavailable"]
+__all__ = ["LINK_ENV", "EmulatedCluster", "link_bytes_sent", "unavailable", "wait_all"]
 
 LINK_ENV = "SHARDAX_EMULATED_LINK"
 """Set in every rank of an emulated node: the node's end of the link (its
 veth device), whose counters :func:`link_bytes_sent` reads."""
 _ADDRESSES = ("10.77.0.1", "10.77.0.2")
+_CLUSTERS = itertools.count()
 
 
 def unavailable() -> str | None:
@@ -73,7 +75,8 @@ class EmulatedCluster:
 
     def __init__(self, rate: str = "1gbit", delay_ms: float | None = None) -> None:
         self.rate, self.delay_ms = rate, delay_ms
-        tag = f"{os.getpid() % 10**7}"
+        # unique per cluster: a deleted namespace's veth goes away lazily
+        tag = f"{os.getpid() % 10**6}{next(_CLUSTERS) % 1000:03d}"
         self.namespaces = (f"sx{tag}a", f"sx{tag}b")
         self.devices = (f"sxv{tag}a", f"sxv{tag}b")
         self.made = False
@@ -167,13 +170,26 @@ class EmulatedCluster:
                     cmd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
             )
-        results = []
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise LaunchError(f"emulated cluster: the run took over {timeout} s") from None
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        return results
+        try:
+            return wait_all(procs, timeout)
+        except subprocess.TimeoutExpired:
+            raise LaunchError(f"emulated cluster: the run took over {timeout} s") from None
+
+
+def wait_all(
+    procs: Sequence[subprocess.Popen], timeout: float
+) -> list[subprocess.CompletedProcess]:
+    """Each of ``procs`` (started with pipes) run to its end, its output
+    read; past ``timeout`` seconds for one, every one is killed and reaped
+    and ``subprocess.TimeoutExpired`` raised."""
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+                q.communicate()  # reap it and close its pipes
+            raise
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results

@@ -19,6 +19,7 @@ import pytest
 
 from shardax.errors import LaunchError
 from shardax.launch import free_port
+from shardax.launch._emulated import wait_all
 from shardax.launch._multinode import NodeCommand, NodeJob, node_commands, run_nodes
 from shardax.launch._nodes import (
     Host,
@@ -107,17 +108,7 @@ def start_node(rank: int, port: int, *target: str) -> subprocess.Popen:
 
 
 def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
-    out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-                q.communicate()  # reap it and close its pipes
-            raise
-        out.append((p.returncode, stdout, stderr))
-    return out
+    return [(d.returncode, d.stdout, d.stderr) for d in wait_all(procs, TIMEOUT_S)]
 
 
 @pytest.mark.slow  # the conformance across nodes runs in tests/collectives/test_hierarchical.py
