@@ -5,10 +5,12 @@ repeat)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +24,23 @@ def run_benchmark(script: str, *args: str, timeout: float) -> tuple[dict, list[d
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     return lines[0], lines[1:-1], lines[-1]
+
+
+def load_benchmark(script: str) -> ModuleType:
+    """``benchmarks/<script>`` as a module of its own (named
+    ``<stem>_benchmark``), its siblings (``_data``, ``train``) importable
+    while it loads."""
+    folder = str(ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        name = f"{Path(script).stem}_benchmark"
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / script)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
 
 
 def check_training_row(row: dict, header: dict, nproc: int = 2) -> None:

@@ -7,12 +7,11 @@ reads the JSON and times nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from _bench import run_benchmark
+from _bench import load_benchmark, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "context.json"
@@ -22,18 +21,7 @@ CPU_OP = "_scaled_dot_product_flash_attention_for_cpu"
 @pytest.fixture(scope="module")
 def bench():
     """``benchmarks/context.py`` as a module (its ``_data`` and ``train`` beside it)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "context_benchmark", ROOT / "benchmarks" / "context.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return load_benchmark("context.py")
 
 
 def check_row(row: dict, header: dict) -> None:

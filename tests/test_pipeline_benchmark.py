@@ -4,11 +4,10 @@ schedule whose first loss is off DDP's fails the run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-from _bench import check_training_row, run_benchmark
+from _bench import check_training_row, load_benchmark, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 # DDP, torch and shardax with a stage per rank and two in a V (the tied
@@ -45,12 +44,8 @@ def test_pipeline_benchmark_smoke(tmp_path):
 
 
 def test_first_loss_mismatch_fails_the_summary(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its train.py and _data.py
-    spec = importlib.util.spec_from_file_location(
-        "pipeline_benchmark", ROOT / "benchmarks" / "pipeline.py"
-    )
-    pipeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pipeline)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its train.py and _data.py, later too
+    pipeline = load_benchmark("pipeline.py")
 
     def row(mode: str, first: float) -> dict:
         return {

@@ -5,13 +5,12 @@ acceptance criteria — that test reads the JSON and times nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
-from _bench import run_benchmark
+from _bench import load_benchmark, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "plan.json"
@@ -22,18 +21,7 @@ REQUIRED = ["zero0", "zero1", "zero2", "zero3", "tp2", "zero3-remat", "zero3-opt
 @pytest.fixture(scope="module")
 def bench():
     """``benchmarks/plan.py`` as a module (its ``_data`` beside it)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "plan_benchmark", ROOT / "benchmarks" / "plan.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return load_benchmark("plan.py")
 
 
 def test_plan_benchmark_smoke(tmp_path):
