@@ -29,11 +29,11 @@ from ._layout import Layout
 from ._matching import as_rules
 from ._memory import prefetch_all, release_all
 from ._modules import install
-from ._placement import role_layout
+from ._placement import role_layout, weights_of
 from ._regather import Regather
 from ._remat import Recompute, applying
 from ._sharded import Sharded
-from ._transfer import Batch, transfer, transfer_many
+from ._transfer import Batch, program, through_int8, transfer, transfer_many
 
 __all__ = ["StopForward", "apply"]
 
@@ -153,14 +153,56 @@ def _moved(unit: _Unit) -> str:
     return f"{shown} (gathered for {unit.path or 'the model'})"
 
 
-def _gather(unit: _Unit) -> Batch:
-    """Start gathering ``unit``'s parameters to their compute layouts; the
-    shards on disk (``rules.offload("params", ...)``) leave the process
-    once the gather has read them."""
+def _gather(unit: _Unit, kept: list[Sharded | None] | None = None) -> Batch:
+    """Start gathering ``unit``'s parameters to their compute layouts —
+    in int8 where their placement says so (ZeRO++'s qwZ), from the
+    secondary copies in ``kept`` where given (hpZ) —; the shards on disk
+    (``rules.offload("params", ...)``) leave the process once the gather
+    has read them."""
     items = _items(unit)
+    kept = [None] * len(items) if kept is None else kept
+    int8 = [k is None and weights_of(x) == "int8" for (x, _), k in zip(items, kept, strict=True)]
+    sources = [(x if k is None else k, layout) for (x, layout), k in zip(items, kept, strict=True)]
     with moving(_moved(unit)):
-        batch = transfer_many(items)
+        batch = transfer_many(sources, int8=int8)
     return batch.then(lambda: release_all(x.local for x, _ in items))
+
+
+class _ThroughInt8(torch.autograd.Function):
+    """The values an int8 gather delivers, with the gradient passed
+    straight through (as the quantized gathers' weights get theirs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return through_int8(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _int8_values(x: Sharded, layout: Layout) -> Sharded:
+    """Under plain autograd, a leaf gathered in int8 (qwZ) takes the
+    values the quantized gather gives, moved at full width by the
+    differentiable transfer."""
+    if weights_of(x) != "int8" or not program(x.layout, layout, x.shape).ops:
+        return x
+    return Sharded(_ThroughInt8.apply(x.local), x.layout, x.shape, placement=x.placement)
+
+
+def _secondaries(unit: _Unit, values: Sequence[torch.Tensor]) -> list[Sharded | None] | None:
+    """hpZ: of each of ``unit``'s gathered parameters whose placement has a
+    secondary layout, this rank's piece in it (a copy, the gathered buffer
+    goes), else None; None when the unit has none."""
+    kept: list[Sharded | None] = []
+    for (x, layout), value in zip(_items(unit), values, strict=True):
+        second = x.placement.secondary if x.placement is not None else None
+        if second is None:
+            kept.append(None)
+            continue
+        local = program(layout, second, x.shape).run(value.detach()).clone()
+        kept.append(Sharded(local, second, x.shape, placement=x.placement))
+    return kept if any(k is not None for k in kept) else None
 
 
 def _items(unit: _Unit) -> list[tuple[Sharded, Layout]]:
@@ -194,6 +236,12 @@ class _Run:
         self.differentiable = lift is None and torch.is_grad_enabled()
         self.pending: dict[int, Batch] = {}
         self.originals: dict[tuple[int, str], Any] = {}
+        self.kept: dict[int, list[Sharded | None]] = {}  # hpZ: unit -> its secondary copies
+
+    def gather_again(self, index: int) -> Batch:
+        """Backward's gather of unit ``index``: from its secondary copies
+        where forward kept them (hpZ), else as forward's."""
+        return _gather(self.units[index], self.kept.pop(index, None))
 
     def _start(self, unit: _Unit) -> Batch:
         if unit.index not in self.pending:
@@ -205,7 +253,9 @@ class _Run:
     def enter(self, unit: _Unit) -> None:
         if self.differentiable:
             with moving(_moved(unit)):
-                values = [transfer(x, layout).local for x, layout in _items(unit)]
+                values = [
+                    transfer(_int8_values(x, layout), layout).local for x, layout in _items(unit)
+                ]
             release_all(x.local for x, _ in _items(unit))
         else:
             gathered = self._start(unit)
@@ -213,6 +263,9 @@ class _Run:
             values = gathered.wait()
             if self.regather is not None:
                 self.regather.hold(unit.index, gathered)
+                kept = _secondaries(unit, values)
+                if kept is not None:
+                    self.kept[unit.index] = kept
         if self.prefetch and not self.differentiable and unit.index + 1 < len(self.units):
             self._start(self.units[unit.index + 1])
         it = iter(values)
@@ -320,9 +373,11 @@ def apply(
     plan, shared = _plan(model, params, units)
     regather = None
     if tape is not None:  # backward gathers again what autograd saves of the gathers
-        regather = Regather(lambda i: _gather(plan[i]), prefetch)
+        regather = Regather(lambda i: run.gather_again(i), prefetch)
         tape.defer(regather.close)
     run = _Run(plan, prefetch, tape.lift if tape is not None else None, regather)
+    if tape is not None:
+        tape.defer(run.kept.clear)  # secondary copies backward did not need
     hooks = []
     mesh = next((x.mesh for x in params.values() if isinstance(x, Sharded)), None)
     bound = None

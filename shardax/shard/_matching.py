@@ -367,7 +367,20 @@ class Rules:
             if offload.matches(path):
                 for role in offload.roles:
                     memory.setdefault(role, offload.kind)
-        return Placement(compute, grads, opt, modules=self.modules, memory=memory)
+        weights, secondary = "exact", None
+        params = self.spec_for(path, shape, mesh, "params") if len(shape) else P()
+        if params != compute.spec:  # gathered for compute: how (ZeRO++)
+            for over in self.overs:
+                if "params" in over.roles and over.matches(path):
+                    weights = "int8" if over.quantize_weights else weights
+                    if over.secondary and secondary is None and not compute.partial:
+                        spec = ShardOver(over.secondary).extend(compute.spec, shape, mesh)
+                        spec = fit_spec(spec, shape, mesh, path=path)
+                        secondary = Layout(mesh, spec) if spec != compute.spec else None
+        return Placement(
+            compute, grads, opt, modules=self.modules, memory=memory, weights=weights,
+            secondary=secondary,
+        )  # fmt: skip
 
     def unmatched(self, paths: Iterable[str]) -> list[str]:
         """The paths no rule matches."""

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..collectives._backend import start
 from ..collectives._ops import AllGather, AllReduce, ReduceScatter, _offsets
+from ..kernels._quant import dequantize_int8, quantize_int8, scale_count
 
 __all__ = [
     "DIRECT_BYTES",
@@ -80,11 +82,17 @@ def start_all_gather_direct(
 
 def start_all_gather(
     members: Sequence[tuple[torch.Tensor, AllGather, tuple[int, ...]]],
+    int8: bool = False,
 ) -> tuple[torch.Tensor, Callable[[], list[torch.Tensor]]]:
     """One all_gather for ``members``: ``(local piece, its gather, the
     gathered shape)``, all over one group and of one dtype. Returns the flat
     buffer the gathered tensors live in, and ``finish()`` -> those tensors
-    (views of it, in member order)."""
+    (views of it, in member order).
+
+    With ``int8`` (ZeRO++'s qwZ), each piece travels quantized blockwise
+    (:func:`~shardax.kernels.quantize_int8`) and every rank, this one
+    included, unpacks the dequantized values: all ranks compute with the
+    same weights."""
     group = members[0][1].group
     n, me = group.size, group.index
     shapes = [shape for _, _, shape in members]
@@ -95,15 +103,18 @@ def start_all_gather(
     per_member = [sum(col[r] for col in numels) for r in range(n)]
     m = max(per_member)
     dtype = members[0][0].dtype
-    send = torch.empty(m, dtype=dtype)
-    torch.cat([local.reshape(-1) for local, _, _ in members], out=send[: per_member[me]])
-    recv = torch.empty(n * m, dtype=dtype)
-    handle = start(group, "all_gather", lambda b: b.all_gather(recv, send, group), lambda: None)
+    if int8:
+        rows_of, handle = _start_int8_all_gather([local for local, _, _ in members], numels, group)
+    else:
+        send = torch.empty(m, dtype=dtype)
+        torch.cat([local.reshape(-1) for local, _, _ in members], out=send[: per_member[me]])
+        recv = torch.empty(n * m, dtype=dtype)
+        handle = start(group, "all_gather", lambda b: b.all_gather(recv, send, group), lambda: None)
     flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype)
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
-        rows = recv.view(n, m)
+        rows = rows_of() if int8 else recv.view(n, m)
         offset = 0
         fulls = []
         for full_shape in shapes:
@@ -123,6 +134,54 @@ def start_all_gather(
         return fulls
 
     return flat, finish
+
+
+def _start_int8_all_gather(
+    locals_: Sequence[torch.Tensor], numels: Sequence[Sequence[int]], group: Any
+) -> tuple[Callable[[], torch.Tensor], Any]:
+    """All-gather the pieces ``locals_`` (this rank's, of one dtype; member
+    ``j``'s piece on rank ``r`` has ``numels[j][r]`` elements) quantized:
+    each piece on its own blocks (its values so depend on that piece alone,
+    however the pieces are batched), a rank's row its int8 values then its
+    fp32 scales, in one byte buffer. Returns ``rows()`` -> the dequantized
+    rows ``[group size, longest row]``, each rank's pieces in member order
+    (call it after the wait), and the handle."""
+    n, me = group.size, group.index
+    counts = [[_scale_count(k) for k in col] for col in numels]
+    m = max(sum(col[r] for col in numels) for r in range(n))
+    m_scales = max(sum(col[r] for col in counts) for r in range(n))
+    start_scales = m + (-m) % 4  # 4-byte aligned
+    width = start_scales + 4 * m_scales
+    mine = torch.empty(width, dtype=torch.uint8)
+    q, scales = mine[:m].view(torch.int8), mine[start_scales:].view(torch.float32)
+    at = at_scale = 0
+    for local, col, count in zip(locals_, numels, counts, strict=True):
+        k, c = col[me], count[me]
+        if k:
+            quantize_int8(local, q[at : at + k], scales[at_scale : at_scale + c])
+        at, at_scale = at + k, at_scale + c
+    recv = torch.empty(n * width, dtype=torch.uint8)
+    handle = start(group, "all_gather", lambda b: b.all_gather(recv, mine, group), lambda: None)
+    dtype = locals_[0].dtype
+
+    def rows() -> torch.Tensor:
+        out = torch.empty((n, m), dtype=dtype)
+        for r, row in enumerate(recv.view(n, width)):
+            q, scales = row[:m].view(torch.int8), row[start_scales:].view(torch.float32)
+            at = at_scale = 0
+            for col, count in zip(numels, counts, strict=True):
+                k, c = col[r], count[r]
+                if k:
+                    dequantize_int8(q[at : at + k], scales[at_scale : at_scale + c],
+                                    out=out[r, at : at + k])  # fmt: skip
+                at, at_scale = at + k, at_scale + c
+        return out
+
+    return rows, handle
+
+
+def _scale_count(k: int) -> int:
+    return scale_count(k) if k else 0
 
 
 # -- reductions -------------------------------------------------------------------

@@ -34,7 +34,7 @@ from ..mesh._mesh import AbstractMesh, normalize_axes
 from ._layout import Layout
 from ._spec import Blocks, P, PartitionSpec
 
-__all__ = ["ROLES", "Placement", "ShardOver", "memory_kind", "role_layout"]
+__all__ = ["ROLES", "Placement", "ShardOver", "memory_kind", "role_layout", "weights_of"]
 
 ROLES = ("params", "compute", "grads", "opt_state")
 _SPLITTABLE = ("params", "grads", "opt_state")
@@ -85,7 +85,30 @@ class ShardOver:
     axis: tuple[str, ...] = attrs.field(converter=_axes)
     roles: tuple[str, ...] = attrs.field(default=_SPLITTABLE, converter=_roles)
     pattern: str = ".*"
+    quantize_weights: bool = attrs.field(default=False, kw_only=True, converter=bool)
+    """ZeRO++'s qwZ: the params → compute gathers send int8 blocks."""
+    secondary: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=normalize_axes)
+    """ZeRO++'s hpZ: the axes (within a node) a second copy of each gathered
+    parameter stays split over until backward, which gathers it over these
+    axes only."""
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.quantize_weights or self.secondary) and "params" not in self.roles:
+            option = "quantize_weights" if self.quantize_weights else "secondary"
+            raise ShardingError(
+                f"ShardOver({option}=...) changes how split parameters are gathered, and "
+                f"{self.roles!r} does not split the parameters: use ZeRO-3 "
+                "(rules.zero(3, ...), roles including 'params')"
+            )
+        outside = [a for a in self.secondary if a not in self.axis]
+        if outside or self.secondary == self.axis:
+            raise ShardingError(
+                f"ShardOver(secondary={self.secondary!r}): the secondary copy is split over some "
+                f"of the axes the parameters are split over, {self.axis!r}, not all of them "
+                f"(the node-local ones, e.g. secondary={self.axis[-1]!r})"
+                + (f"; {outside!r} are not among them" if outside else "")
+            )
 
     @_regex.default
     def _make_regex(self) -> re.Pattern[str]:
@@ -134,7 +157,10 @@ class ShardOver:
         axis = self.axis[0] if len(self.axis) == 1 else self.axis
         roles = "" if self.roles == _SPLITTABLE else f", roles={self.roles!r}"
         pattern = "" if self.pattern == ".*" else f", pattern={self.pattern!r}"
-        return f"ShardOver({axis!r}{roles}{pattern})"
+        q = ", quantize_weights=True" if self.quantize_weights else ""
+        second = self.secondary[0] if len(self.secondary) == 1 else self.secondary
+        secondary = f", secondary={second!r}" if self.secondary else ""
+        return f"ShardOver({axis!r}{roles}{pattern}{q}{secondary})"
 
 
 @attrs.frozen(repr=False)
@@ -162,6 +188,12 @@ class Placement:
     )
     """The memory kind of each role not on the device (``rules.offload``):
     ``(("opt_state", "disk:/scratch/opt"),)``."""
+    weights: str = attrs.field(default="exact", kw_only=True)
+    """How the params → compute gathers send it: ``"exact"``, or ``"int8"``
+    blocks (ZeRO++'s qwZ, ``rules.zero(3, quantize_weights=True)``)."""
+    secondary: Layout | None = attrs.field(default=None, kw_only=True)
+    """ZeRO++'s hpZ: the layout a second copy of the gathered parameter
+    keeps from forward to backward, which gathers it from there."""
 
     def memory_kind(self, role: str) -> str:
         """Where ``role``'s local data lives: ``"device"`` unless offloaded.
@@ -175,6 +207,12 @@ class Placement:
 
     def __attrs_post_init__(self) -> None:
         meshes = {self.compute.mesh, self.grads.mesh, self.opt_state.mesh}
+        if self.secondary is not None:
+            meshes.add(self.secondary.mesh)
+        if self.weights not in ("exact", "int8"):
+            raise ShardingError(
+                f"a Placement's weights are 'exact' or 'int8'; got {self.weights!r}"
+            )
         if len(meshes) != 1:
             raise ShardingError(f"a Placement's layouts must share one mesh; got {meshes!r}")
         for role in ("grads", "opt_state"):  # compute may be partial (a masked bias)
@@ -189,9 +227,11 @@ class Placement:
     def __repr__(self) -> str:
         partial = f" partial={self.compute.partial!r}" if self.compute.partial else ""
         memory = f", memory={dict(self.memory)!r}" if self.memory else ""
+        weights = f", weights={self.weights!r}" if self.weights != "exact" else ""
+        secondary = f", secondary={self.secondary.spec!r}" if self.secondary is not None else ""
         return (
             f"Placement(compute={self.compute.spec!r}{partial}, grads={self.grads.spec!r}, "
-            f"opt_state={self.opt_state.spec!r}{memory})"
+            f"opt_state={self.opt_state.spec!r}{memory}{weights}{secondary})"
         )
 
 
@@ -221,3 +261,10 @@ def memory_kind(x: Any, role: str) -> str:
     placement offloads that role (``rules.offload``)."""
     placement = getattr(x, "placement", None)
     return "device" if placement is None else placement.memory_kind(role)
+
+
+def weights_of(x: Any) -> str:
+    """How ``x``'s params → compute gathers send it: ``"exact"``, or
+    ``"int8"`` (ZeRO++'s qwZ)."""
+    placement = getattr(x, "placement", None)
+    return "exact" if placement is None else placement.weights

@@ -42,7 +42,7 @@ from ..collectives._agree import moving
 from ..errors import ShardingError
 from ._keep import keeping_contexts, save_matmuls, takes_part
 from ._memory import check_kind, release_all
-from ._placement import role_layout
+from ._placement import role_layout, weights_of
 from ._sharded import Sharded
 from ._transfer import Batch, transfer_many
 
@@ -431,7 +431,7 @@ class Recompute:
         path, slots = self.calls[i]
         items = [(x, role_layout(x, "compute")) for x, _, _ in slots if isinstance(x, Sharded)]
         with moving(f"the parameters of {path or 'the model'} (gathered again to recompute it)"):
-            batch = transfer_many(items)
+            batch = transfer_many(items, int8=[weights_of(x) == "int8" for x, _ in items])
         # shards on disk: out of the process once the gather has read them
         return batch.then(lambda: release_all(x.local for x, _ in items))
 

@@ -41,6 +41,7 @@ from ..collectives._ops import (
     register_transpose,
 )
 from ..errors import ShardingError
+from ..kernels._quant import dequantize_int8, quantize_int8
 from ..mesh._mesh import Mesh
 from ._layout import Layout, as_layout
 from ._packing import (
@@ -57,7 +58,7 @@ from ._redistribute import Redistribute
 from ._sharded import Sharded
 from ._spec import piece_sizes
 
-__all__ = ["Batch", "Program", "Reducer", "program", "transfer", "transfer_many"]
+__all__ = ["Batch", "Program", "Reducer", "program", "through_int8", "transfer", "transfer_many"]
 
 
 # -- compiling a plan ---------------------------------------------------------------
@@ -249,7 +250,9 @@ class Batch:
         return self.tensors  # type: ignore[return-value]
 
 
-def transfer_many(items: Sequence[tuple[Sharded, Layout]]) -> Batch:
+def transfer_many(
+    items: Sequence[tuple[Sharded, Layout]], int8: Sequence[bool] | None = None
+) -> Batch:
     """Start moving each ``(leaf, layout)`` item's local tensor to
     ``layout`` (not differentiable).
 
@@ -258,9 +261,18 @@ def transfer_many(items: Sequence[tuple[Sharded, Layout]]) -> Batch:
     :data:`~shardax.shard._packing.DIRECT_BYTES` split evenly on dim 0 in
     one of its own, with no packing); the other programs run one by one at
     ``wait()``; a leaf whose program moves nothing is its own local tensor.
+
+    ``int8[i]`` (ZeRO++'s qwZ, ``rules.zero(3, quantize_weights=True)``):
+    item ``i`` moves quantized blockwise to int8 and arrives dequantized —
+    in the all_gathers it travels in, or, for a program of several steps,
+    quantized and dequantized here before it runs (the same values, full
+    bytes). A leaf whose program moves nothing is left exact.
     """
     batch = Batch(len(items))
-    packs: dict[tuple[int, torch.dtype], list[tuple[int, torch.Tensor, AllGather, Program]]] = {}
+    flags = [False] * len(items) if int8 is None else list(int8)
+    packs: dict[
+        tuple[int, torch.dtype, bool], list[tuple[int, torch.Tensor, AllGather, Program]]
+    ] = {}
     singles: list[tuple[int, torch.Tensor, Program]] = []
     for i, (x, layout) in enumerate(items):
         prog = program(x.layout, layout, x.shape)
@@ -269,22 +281,31 @@ def transfer_many(items: Sequence[tuple[Sharded, Layout]]) -> Batch:
         if not prog.ops:
             batch.tensors[i] = local
         elif not isinstance(op, AllGather):
-            singles.append((i, local, prog))
-        elif direct(local if prog.view_in is None else local.reshape(prog.view_in), op):
+            singles.append((i, through_int8(local) if flags[i] else local, prog))
+        elif not flags[i] and direct(
+            local if prog.view_in is None else local.reshape(prog.view_in), op
+        ):
             full, finish = start_all_gather_direct(local, op, prog.out_shape)
             batch.bases.append(full)
             batch._steps.append(functools.partial(_put, batch, i, finish))
         else:
-            packs.setdefault((id(op.group), x.dtype), []).append((i, local, op, prog))
-    for members in packs.values():
+            packs.setdefault((id(op.group), x.dtype, flags[i]), []).append((i, local, op, prog))
+    for (_, _, quantized), members in packs.items():
         flat, finish = start_all_gather(
-            [(local, op, prog.collective_shape) for _, local, op, prog in members]
+            [(local, op, prog.collective_shape) for _, local, op, prog in members], int8=quantized
         )
         batch.bases.append(flat)
         batch._steps.append(functools.partial(_put_all, batch, members, finish))
     for i, local, prog in singles:
         batch._steps.append(functools.partial(_run_single, batch, i, local, prog))
     return batch
+
+
+def through_int8(t: torch.Tensor) -> torch.Tensor:
+    """``t`` quantized to int8 blockwise and back (the values a quantized
+    gather delivers)."""
+    q, scales = quantize_int8(t)
+    return dequantize_int8(q, scales, t.dtype).view(t.shape)
 
 
 def _put(batch: Batch, i: int, finish: Callable[[], torch.Tensor]) -> None:

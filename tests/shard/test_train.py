@@ -7,65 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
+from _zero_net import BATCH, BETAS, EPS, LR, WD, Block, Net, batch, reference
 from torch import nn
 
 import shardax as sx
 from shardax import P
-
-VOCAB, DIM, SEQ, BATCH = 13, 10, 6, 4
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 3 * DIM)
-        self.down = nn.Linear(3 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return x, torch.roll(x, -1, dims=1)
-
-
-LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
-
-
-def reference(steps: int) -> tuple[list[float], list[dict], dict]:
-    """The single-process PyTorch run: same init, same global batches."""
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    losses, grads = [], []
-    for step in range(steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads, {k: v.clone() for k, v in sx.params_of(model).items()}
 
 
 def _loss(params, model, x, y):
