@@ -839,6 +839,14 @@ def sampling_rules(run: sx.config.RunConfig) -> sx.Rules | None:
     return out
 
 
+def _zeropp(run: sx.config.RunConfig) -> str:
+    """The ZeRO++ options of the header, if any."""
+    p = run.parallel
+    parts = [text for text, on in (("int8 weight gathers (qwZ)", p.quantize_weights),
+             (f"a secondary copy over {p.zero_axis} (hpZ)", p.secondary)) if on]  # fmt: skip
+    return f" over {p.node} x {p.zero_axis} with ZeRO++: " + ", ".join(parts) if parts else ""
+
+
 def _remat(run: sx.config.RunConfig) -> str:
     """The remat rule the run adds, as it prints."""
     return "; ".join(repr(r.remat) for r in run.make_rules().modules if r.remat is not None)
@@ -888,6 +896,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if run.parallel.replicate
             else ""
         )
+        + _zeropp(run)
         + f", {run.optimizer.type}, "
         f"{precision}, global batch {batch.global_size} x {cfg.seq_len} tokens"
         + (f" in {accumulation} micro-steps" if accumulation > 1 else "")

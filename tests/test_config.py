@@ -282,6 +282,43 @@ def test_deepspeed_mics_converts_to_hybrid_sharding():
         from_deepspeed({"zero_optimization": {"mics_shard_size": 0}})
 
 
+def test_zeropp_in_a_config_and_from_deepspeed():
+    """``parallel.node`` (an axis across nodes the parameters split over
+    too), ``parallel.secondary`` (hpZ) and ``parallel.quantize_weights``
+    (qwZ) make ZeRO-3 over node × dp with the options, the plan says so;
+    DeepSpeed's ``zero_hpz_partition_size`` / ``zero_quantized_weights``
+    convert to them (1: off); misuse is refused by name."""
+    config = RunConfig.from_text(
+        'mesh: {node: 2, dp: 2}\nparallel: {zero: 3, node: "node", secondary: true, '
+        "quantize_weights: true}\n"
+    )
+    assert RunConfig.from_dict(config.to_dict()) == config
+    assert config.data_axes == ("node", "dp") and config.batch_spec == sx.P(("node", "dp"))
+    placement = config.make_rules().placement("h.0.fc.weight", (16, 8), config.abstract_mesh(4))
+    assert placement.weights == "int8" and placement.secondary.spec == sx.P("dp")
+    assert "rules.zero(3, ('node', 'dp')) with ZeRO++: int8 weight gathers (qwZ), " in config.plan(
+        4
+    )
+    ds = {
+        "zero_optimization": {
+            "stage": 3,
+            "zero_hpz_partition_size": 2,
+            "zero_quantized_weights": True,
+        }
+    }
+    data, unmapped = from_deepspeed(ds)
+    assert unmapped == [] and RunConfig.from_dict(data).make_rules() == config.make_rules()
+    assert RunConfig.from_dict(data).abstract_mesh(8).shape == {"node": 4, "dp": 2}
+    off, notes = from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
+    assert off == {"parallel": {"zero": 3}} and notes[0][0].endswith("zero_hpz_partition_size")
+    with pytest.raises(ConfigError, match=r"need parallel\.zero: 3, got 2"):
+        RunConfig.from_dict({"parallel": {"zero": 2, "quantize_weights": True}})
+    with pytest.raises(ConfigError, match=r"name the axis across nodes as parallel\.node"):
+        RunConfig.from_dict({"parallel": {"zero": 3, "secondary": True}})
+    with pytest.raises(ConfigError, match=r"parallel\.node names 'dp'"):
+        RunConfig.from_dict({"parallel": {"zero": 3, "node": "dp"}})
+
+
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])
 def test_shared_deepspeed_configs_convert(path):
     """Each real config converts, or is refused naming every key whose loss

@@ -295,6 +295,11 @@ def _ds_zero(zero: Mapping[str, Any], put: Put, skip: Skip) -> None:
                 put("parallel", "bucket_bytes", int(_number(where, value)) * 4)  # fp32 elements
         elif key == "mics_shard_size":
             _ds_mics(_whole(where, value), where, put, skip)
+        elif key == "zero_quantized_weights":
+            if _flag(where, value):
+                put("parallel", "quantize_weights", True)
+        elif key == "zero_hpz_partition_size":
+            _ds_hpz(_whole(where, value), where, put, skip)
         elif key == "mics_hierarchical_params_gather":
             skip(where, "hybrid sharding gathers parameters within a replica only", False)
         elif key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
@@ -322,6 +327,22 @@ def _ds_mics(size: int, where: str, put: Put, skip: Skip) -> None:
     put("mesh", "replicate", -1)
     put("mesh", "dp", size)
     put("parallel", "replicate", "replicate")
+
+
+def _ds_hpz(size: int, where: str, put: Put, skip: Skip) -> None:
+    """ZeRO++'s hpZ (``zero_hpz_partition_size``: a secondary copy of the
+    weights split over groups of that many ranks, a node's) as the mesh
+    ``{node: -1, dp: size}`` with ZeRO-3 over both and the secondary copy
+    over ``dp``; 1 (off) changes nothing."""
+    if size == 1:
+        skip(where, "1: no secondary partition (the default)", False)
+        return
+    if size < 1:
+        raise ConfigError(f"DeepSpeed config: {where} is a group size (ranks per node); got {size}")
+    put("mesh", "node", -1)
+    put("mesh", "dp", size)
+    put("parallel", "node", "node")
+    put("parallel", "secondary", True)
 
 
 def _ds_offload(value: Mapping[str, Any], where: str, target: str, put: Put, skip: Skip) -> None:

@@ -173,6 +173,8 @@ class RunConfig:
             inner: tuple[str, ...] = (p.zero_axis,)
         else:
             inner = tuple(a for a in (p.zero_axis, p.ep) if a in self.mesh)
+        if p.node is not None:
+            inner = (p.node, *inner)
         return inner if p.replicate is None else (p.replicate, *inner)
 
     @property
@@ -202,7 +204,7 @@ class RunConfig:
         ranks do (torchtitan's FSDP over dp_shard × cp)."""
         p = self.parallel
         inner = tuple(a for a in self.data_axes if a != p.replicate)  # not over the replicas
-        axes = inner if p.ep is not None else (p.zero_axis,)
+        axes = inner if p.ep is not None else tuple(a for a in (p.node, p.zero_axis) if a)
         if p.cp is not None:
             axes = (*axes, p.cp)
         return axes if len(axes) > 1 else axes[0]
@@ -236,7 +238,10 @@ class RunConfig:
         from .. import rules
 
         p = self.parallel
-        out = rules.zero(p.zero, self._zero_axes) + _memory_rules(self.memory)
+        zeropp = {"quantize_weights": True} if p.quantize_weights else {}
+        if p.secondary:  # hpZ: within the node, the data axis
+            zeropp["secondary"] = p.zero_axis
+        out = rules.zero(p.zero, self._zero_axes, **zeropp) + _memory_rules(self.memory)
         extra = {} if names is None else {"names": names}
         if p.tp is not None:
             out = rules.megatron(p.tp, sequence_parallel=p.sequence_parallel, **extra) + out
@@ -365,7 +370,7 @@ def _check_axes(run: RunConfig) -> None:
     named = [("parallel.zero_axis", p.zero_axis if p.zero else None),
              ("parallel.tp", p.tp), ("parallel.sp", p.sp), ("parallel.pp", p.pp),
              ("parallel.ep", p.ep), ("parallel.cp", p.cp),
-             ("parallel.replicate", p.replicate)]  # fmt: skip
+             ("parallel.replicate", p.replicate), ("parallel.node", p.node)]  # fmt: skip
     for key, axis in named:
         if axis is not None and axis not in run.mesh:
             close = difflib.get_close_matches(axis, axes, n=1, cutoff=0.5)
@@ -375,7 +380,7 @@ def _check_axes(run: RunConfig) -> None:
                 f"{axes}; add it to mesh or name one of those"
             )
     # the data axis splits the batch even at ZeRO-0
-    used = {p.zero_axis, p.tp, p.sp, p.pp, p.ep, p.cp, p.replicate}
+    used = {p.zero_axis, p.tp, p.sp, p.pp, p.ep, p.cp, p.replicate, p.node}
     idle = [a for a, n in run.mesh.items() if n != 1 and a not in used]
     if idle:
         raise ConfigError(
@@ -384,7 +389,8 @@ def _check_axes(run: RunConfig) -> None:
             f"parallel.tp (tensor parallelism), parallel.sp (Ulysses), parallel.pp "
             f"(pipeline), parallel.ep (experts) or parallel.cp (context parallelism), "
             f"make it the data axis (parallel.zero_axis) or the replicas' "
-            f"(parallel.replicate, hybrid sharding), or give it size 1"
+            f"(parallel.replicate, hybrid sharding) or the one across nodes (parallel.node), "
+            f"or give it size 1"
         )
 
 
@@ -396,6 +402,10 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
     presets = [f"rules.zero({p.zero}, {run._zero_axes!r})"]
     if p.replicate:
         presets[0] += f" in each replica, replicas over {p.replicate!r} (HSDP)"
+    zeropp = [name for name, on in (("int8 weight gathers (qwZ)", p.quantize_weights),
+              (f"a secondary copy over {p.zero_axis!r} (hpZ)", p.secondary)) if on]  # fmt: skip
+    if zeropp:
+        presets[0] += " with ZeRO++: " + ", ".join(zeropp)
     if p.tp:
         presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
     if p.sp:

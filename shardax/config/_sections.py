@@ -36,6 +36,11 @@ class ParallelConfig:
     ``replicate`` — a second data axis whose ranks hold replicas (hybrid
     sharding, HSDP/MiCS: ZeRO within each replica, over ``zero_axis``; the
     batch split over both, gradients summed over the replicas);
+    ``node`` — an outer data axis across nodes whose ranks also split the
+    parameters (ZeRO over ``node`` × ``zero_axis``, the batch over both),
+    which ZeRO++'s options need: ``secondary`` (hpZ: backward gathers over
+    ``zero_axis`` only, from a copy split within the node) and
+    ``quantize_weights`` (qwZ: parameter gathers in int8; ZeRO-3);
     ``tp`` — the mesh axis of ``rules.megatron`` (``sequence_parallel`` for
     Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``pp`` — the
     pipeline axis, run by the ``pp_schedule`` generator (``pipeline.<name>``)
@@ -52,6 +57,9 @@ class ParallelConfig:
     zero: int = attrs.field(default=0, converter=_as_int("zero"))
     zero_axis: str = attrs.field(default="dp", converter=_as_str("zero_axis"))
     replicate: str | None = attrs.field(default=None, converter=_optional(_as_str, "replicate"))
+    node: str | None = attrs.field(default=None, converter=_optional(_as_str, "node"))
+    secondary: bool = attrs.field(default=False, converter=_as_bool("secondary"))
+    quantize_weights: bool = attrs.field(default=False, converter=_as_bool("quantize_weights"))
     tp: str | None = attrs.field(default=None, converter=_optional(_as_str, "tp"))
     sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
     sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
@@ -71,6 +79,22 @@ class ParallelConfig:
     def __attrs_post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero is a ZeRO stage 0..3; got {self.zero!r}")
+        if (self.secondary or self.quantize_weights) and self.zero != 3:
+            raise ConfigError(
+                "parallel.secondary and parallel.quantize_weights (ZeRO++) change how split "
+                f"parameters are gathered; they need parallel.zero: 3, got {self.zero}"
+            )
+        if self.secondary and self.node is None:
+            raise ConfigError(
+                "parallel.secondary (ZeRO++ hpZ) keeps a copy split over the ranks of a node: "
+                "name the axis across nodes as parallel.node (a mesh of {'node': N, 'dp': "
+                "ranks per node})"
+            )
+        if self.node is not None and self.node in (self.zero_axis, self.replicate):
+            raise ConfigError(
+                f"parallel.node names {self.node!r}, which is already the data axis or the "
+                "replicas'; the axis across nodes needs an axis of its own"
+            )
         if self.sequence_parallel and self.tp is None:
             raise ConfigError("sequence_parallel needs parallel.tp (the tensor axis)")
         named = [("zero_axis", self.zero_axis), ("tp", self.tp), ("sp", self.sp), ("pp", self.pp)]

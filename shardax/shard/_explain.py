@@ -298,6 +298,7 @@ def explain(
 
     totals: _Table = {}
     roles: dict[str, _Table] = {}
+    zeropp: dict[str, list[Any]] = {"int8": [], "secondary": []}
     rows = []
     for path, leaf, layout in zip(paths, leaves, layouts, strict=True):
         if layout is None:
@@ -315,8 +316,14 @@ def explain(
                 kind = placed.memory_kind(role)  # rules.offload: on disk, in host memory
                 key = role if kind == "device" else f"{role} ({kind})"
                 _add(roles.setdefault(key, {}), counted(lay, shape)[1], size)
+            if placed.secondary is not None:  # hpZ: held from forward to backward
+                _add(roles.setdefault("secondary", {}), counted(placed.secondary, shape)[1],
+                     leaf.dtype.itemsize)  # fmt: skip
+                zeropp["secondary"].append(placed.secondary.spec.axes)
+            if placed.weights == "int8":
+                zeropp["int8"].append((math.prod(shape), leaf.dtype.itemsize))
         rows.append(Row(path, shape, leaf.dtype, layout, local_shape, numels))
-    notes: list[str] = []
+    notes = _zeropp_notes(zeropp)
     if rules is not None:  # a module rule's forward may say what it does on this mesh
         tensors = {r.path: (r.shape, r.dtype.itemsize) for r in rows}
         for module_rule in rules.modules:
@@ -335,6 +342,28 @@ def explain(
             [_over_ranks(t, abstract) for t in roles.values()], dtype=np.int64
         ).reshape(len(roles), abstract.world_size),
     )
+
+
+def _zeropp_notes(zeropp: dict[str, list[Any]]) -> list[str]:
+    """What ZeRO++'s options change, in words: the int8 gathers' bytes
+    against the exact ones (qwZ), and backward's gathers from the secondary
+    copy (hpZ)."""
+    notes = []
+    if zeropp["int8"]:
+        exact = sum(n * size for n, size in zeropp["int8"])
+        int8 = sum(n for n, _ in zeropp["int8"]) * (1 + 4 / 256)
+        notes.append(
+            f"ZeRO++ qwZ: {len(zeropp['int8'])} tensors gathered as int8 blocks (a byte a value, "
+            f"4 B of scale per 256): about {format_bytes(int8)} per gather of them all, for "
+            f"{format_bytes(exact)} exact"
+        )
+    if zeropp["secondary"]:
+        axes = sorted({a for axes_ in zeropp["secondary"] for a in axes_})
+        notes.append(
+            f"ZeRO++ hpZ: backward gathers {len(zeropp['secondary'])} tensors over {axes!r} only, "
+            "from a secondary copy held from forward to backward (the 'secondary' above)"
+        )
+    return notes
 
 
 def _placements(rules: Rules, mesh: AbstractMesh) -> Callable[[str, tuple[int, ...]], Placement]:

@@ -207,3 +207,16 @@ def test_int8_blocks_are_bit_for_bit_the_reference():
                 assert torch.equal(dequantize_int8(q, s, out), dequantize_int8_reference(q, s, out))
     with pytest.raises(ValueError, match="takes fp32, bf16 or fp16"):
         quantize_int8(torch.ones(3, dtype=torch.int32))
+
+
+def test_explain_shows_the_secondary_copy_and_the_int8_gathers():
+    """``explain`` adds hpZ's secondary copy to each rank's training state
+    (a parameter split over ``local`` only: half of it, for fp32 weights of
+    P bytes, P/2) and says what both options do."""
+    params = {"w": torch.empty(256, 64, device="meta")}
+    rules = sx.rules.zero(3, AXES, quantize_weights=True, secondary="local")
+    text = str(sx.explain(params, sx.AbstractMesh(MESH), rules))
+    assert "params 16.0 KiB, grads 16.0 KiB, opt_state 32.0 KiB, secondary 32.0 KiB" in text
+    assert "ZeRO++ qwZ: 1 tensors gathered as int8 blocks" in text
+    assert "about 16.2 KiB per gather of them all, for 64.0 KiB exact" in text
+    assert "ZeRO++ hpZ: backward gathers 1 tensors over ['local'] only" in text
