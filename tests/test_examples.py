@@ -272,7 +272,9 @@ def test_train_gpt_with_zeropp_ends_within_one_percent_of_zero3(tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         runs[name] = list(csv.DictReader((tmp_path / name / "loss.csv").read_text().splitlines()))
         if name == "qwz_hpz":
-            assert "ZeRO++: int8 weight gathers (qwZ), a secondary copy over dp (hpZ)" in done.stdout
+            assert (
+                "ZeRO++: int8 weight gathers (qwZ), a secondary copy over dp (hpZ)" in done.stdout
+            )
     assert len(runs["hpz"]) == len(runs["zero3"]) == 200
     for a, b in zip(runs["hpz"], runs["zero3"], strict=True):
         assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-6 * float(b["loss"]), (a, b)

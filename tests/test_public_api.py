@@ -209,6 +209,7 @@ SURFACE = {
         "ppermute",
         "psum",
         "psum_scatter",
+        "quantized_psum_scatter",
         "ragged_all_to_all",
         "recv",
         "send",

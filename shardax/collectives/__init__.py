@@ -2,7 +2,8 @@
 
 ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
 ``all_to_all``, ``ragged_all_to_all`` (with ``exchange_sizes``), ``ppermute``,
-``broadcast``, ``axis_index``, ``axis_size``, ``barrier``; ``count_once`` for a loss every rank computes identically.
+``broadcast``, ``axis_index``, ``axis_size``, ``barrier``; ``quantized_psum_scatter``
+(ZeRO++'s qgZ: an int4 reduce-scatter in two all-to-alls, within then across nodes); ``count_once`` for a loss every rank computes identically.
 Their autograd transposes are one table (:mod:`shardax.collectives._ops`).
 
 One return rule for every collective that returns a tensor: it returns the
@@ -42,6 +43,7 @@ from ._ops import chunk_sizes as chunk_sizes
 from ._ops import transpose as transpose
 from ._p2p import recv as recv
 from ._p2p import send as send
+from ._qgz import quantized_psum_scatter as quantized_psum_scatter
 from ._ragged import exchange_sizes as exchange_sizes
 from ._ragged import ragged_all_to_all as ragged_all_to_all
 from ._traffic import Traffic as Traffic
@@ -71,6 +73,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "quantized_psum_scatter",
     "ragged_all_to_all",
     "recv",
     "send",

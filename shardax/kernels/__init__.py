@@ -13,10 +13,11 @@ error. ``shardax report`` lists each library's status.
   pass over gradient, state and parameter (writing the update, or the new
   param and its bf16/fp16 copy), every leaf of a step in one call — used by
   :mod:`shardax.optim` for fp32 CPU state (:func:`shardax.optim.fused_step`).
-- ``quant``: blockwise int8 quantization (:func:`quantize_int8`,
-  :func:`dequantize_int8`; one fp32 scale per 256 elements), as ZeRO++'s
-  quantized weight gathers send parameters (``rules.zero(3,
-  quantize_weights=True)``).
+- ``quant``: blockwise int8 and int4 quantization (:func:`quantize_int8`,
+  :func:`dequantize_int8`, :func:`quantize_int4`, :func:`dequantize_int4`;
+  one fp32 scale per 256 elements), as ZeRO++ sends parameters (int8,
+  ``rules.zero(3, quantize_weights=True)``) and gradients (int4,
+  :func:`shardax.collectives.quantized_psum_scatter`).
 - :mod:`shardax.kernels.cuda`: CUDA kernels compiled by NVRTC through CuPy
   (``pip install 'shardax[gpu]'``) on first use — fused AdamW and Lion steps
   (fp32, or fp32 master weights with their bf16/fp16 params in one pass) and
@@ -31,14 +32,18 @@ from ._build import registry as registry
 from ._libraries import OPTIM as OPTIM
 from ._libraries import SHM as SHM
 from ._quant import QUANT as QUANT
+from ._quant import dequantize_int4 as dequantize_int4
 from ._quant import dequantize_int8 as dequantize_int8
+from ._quant import quantize_int4 as quantize_int4
 from ._quant import quantize_int8 as quantize_int8
 
 __all__ = [
     "OPTIM",
     "QUANT",
     "SHM",
+    "dequantize_int4",
     "dequantize_int8",
+    "quantize_int4",
     "quantize_int8",
     "NativeLibrary",
     "cache_dir",
