@@ -843,7 +843,8 @@ def _zeropp(run: sx.config.RunConfig) -> str:
     """The ZeRO++ options of the header, if any."""
     p = run.parallel
     parts = [text for text, on in (("int8 weight gathers (qwZ)", p.quantize_weights),
-             (f"a secondary copy over {p.zero_axis} (hpZ)", p.secondary)) if on]  # fmt: skip
+             (f"a secondary copy over {p.zero_axis} (hpZ)", p.secondary),
+             ("int4 gradient reduce-scatters (qgZ)", p.quantize_grads)) if on]  # fmt: skip
     return f" over {p.node} x {p.zero_axis} with ZeRO++: " + ", ".join(parts) if parts else ""
 
 

@@ -317,6 +317,20 @@ def test_zeropp_in_a_config_and_from_deepspeed():
         RunConfig.from_dict({"parallel": {"zero": 3, "secondary": True}})
     with pytest.raises(ConfigError, match=r"parallel\.node names 'dp'"):
         RunConfig.from_dict({"parallel": {"zero": 3, "node": "dp"}})
+    qgz = {"stage": 3, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}
+    data, _ = from_deepspeed({"zero_optimization": qgz})
+    placement = (
+        RunConfig.from_dict(data)
+        .make_rules()
+        .placement("w", (16, 8), mesh := RunConfig.from_dict(data).abstract_mesh(4))
+    )
+    assert placement.grads_across == ("node",) and placement.grads.spec == sx.P(("node", "dp")), (
+        mesh
+    )
+    with pytest.raises(ConfigError, match="does not say how many ranks a node has"):
+        from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+    with pytest.raises(ConfigError, match=r"it needs parallel\.zero 2 or 3"):
+        RunConfig.from_dict({"parallel": {"zero": 1, "node": "node", "quantize_grads": True}})
 
 
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])

@@ -298,6 +298,9 @@ def _ds_zero(zero: Mapping[str, Any], put: Put, skip: Skip) -> None:
         elif key == "zero_quantized_weights":
             if _flag(where, value):
                 put("parallel", "quantize_weights", True)
+        elif key == "zero_quantized_gradients":
+            if _flag(where, value):
+                _ds_qgz(zero, where, put)
         elif key == "zero_hpz_partition_size":
             _ds_hpz(_whole(where, value), where, put, skip)
         elif key == "mics_hierarchical_params_gather":
@@ -343,6 +346,23 @@ def _ds_hpz(size: int, where: str, put: Put, skip: Skip) -> None:
     put("mesh", "dp", size)
     put("parallel", "node", "node")
     put("parallel", "secondary", True)
+
+
+def _ds_qgz(zero: Mapping[str, Any], where: str, put: Put) -> None:
+    """ZeRO++'s qgZ as ``parallel.quantize_grads``: it reduces within a
+    node, then across, so it needs to know the node's ranks — from
+    ``zero_hpz_partition_size`` (DeepSpeed reads the machine's device
+    count instead, which a config cannot say)."""
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if not isinstance(hpz, int) or hpz < 2:
+        raise ConfigError(
+            f"DeepSpeed config: {where} (ZeRO++ qgZ) reduces gradients within each node, then "
+            "across, and this config does not say how many ranks a node has: add "
+            "zero_hpz_partition_size: <ranks per node> to it, or drop the key and set mesh: "
+            "{node: <nodes>, dp: <ranks per node>} with parallel: {node: node, "
+            "quantize_grads: true} in the converted config"
+        )
+    put("parallel", "quantize_grads", True)
 
 
 def _ds_offload(value: Mapping[str, Any], where: str, target: str, put: Put, skip: Skip) -> None:

@@ -239,6 +239,8 @@ class RunConfig:
 
         p = self.parallel
         zeropp = {"quantize_weights": True} if p.quantize_weights else {}
+        if p.quantize_grads:
+            zeropp["quantize_grads"] = True
         if p.secondary:  # hpZ: within the node, the data axis
             zeropp["secondary"] = p.zero_axis
         out = rules.zero(p.zero, self._zero_axes, **zeropp) + _memory_rules(self.memory)
@@ -403,7 +405,8 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
     if p.replicate:
         presets[0] += f" in each replica, replicas over {p.replicate!r} (HSDP)"
     zeropp = [name for name, on in (("int8 weight gathers (qwZ)", p.quantize_weights),
-              (f"a secondary copy over {p.zero_axis!r} (hpZ)", p.secondary)) if on]  # fmt: skip
+              (f"a secondary copy over {p.zero_axis!r} (hpZ)", p.secondary),
+              ("int4 gradient reduce-scatters (qgZ)", p.quantize_grads)) if on]  # fmt: skip
     if zeropp:
         presets[0] += " with ZeRO++: " + ", ".join(zeropp)
     if p.tp:

@@ -40,7 +40,9 @@ class ParallelConfig:
     parameters (ZeRO over ``node`` × ``zero_axis``, the batch over both),
     which ZeRO++'s options need: ``secondary`` (hpZ: backward gathers over
     ``zero_axis`` only, from a copy split within the node) and
-    ``quantize_weights`` (qwZ: parameter gathers in int8; ZeRO-3);
+    ``quantize_weights`` (qwZ: parameter gathers in int8; ZeRO-3) and
+    ``quantize_grads`` (qgZ: gradients reduce-scattered in int4, within the
+    node then across; ZeRO-2 or 3);
     ``tp`` — the mesh axis of ``rules.megatron`` (``sequence_parallel`` for
     Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``pp`` — the
     pipeline axis, run by the ``pp_schedule`` generator (``pipeline.<name>``)
@@ -60,6 +62,7 @@ class ParallelConfig:
     node: str | None = attrs.field(default=None, converter=_optional(_as_str, "node"))
     secondary: bool = attrs.field(default=False, converter=_as_bool("secondary"))
     quantize_weights: bool = attrs.field(default=False, converter=_as_bool("quantize_weights"))
+    quantize_grads: bool = attrs.field(default=False, converter=_as_bool("quantize_grads"))
     tp: str | None = attrs.field(default=None, converter=_optional(_as_str, "tp"))
     sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
     sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
@@ -81,18 +84,25 @@ class ParallelConfig:
             raise ConfigError(f"zero is a ZeRO stage 0..3; got {self.zero!r}")
         if (self.secondary or self.quantize_weights) and self.zero != 3:
             raise ConfigError(
-                "parallel.secondary and parallel.quantize_weights (ZeRO++) change how split "
+                "secondary and quantize_weights (ZeRO++) change how split "
                 f"parameters are gathered; they need parallel.zero: 3, got {self.zero}"
+            )
+        if self.quantize_grads and (self.zero < 2 or self.node is None):
+            raise ConfigError(
+                "quantize_grads (ZeRO++ qgZ) reduce-scatters gradients within each node, "
+                "then across nodes: it needs parallel.zero 2 or 3 and the axis across nodes as "
+                f"parallel.node (a mesh of {{'node': N, 'dp': ranks per node}}); got zero "
+                f"{self.zero}, node {self.node!r}"
             )
         if self.secondary and self.node is None:
             raise ConfigError(
-                "parallel.secondary (ZeRO++ hpZ) keeps a copy split over the ranks of a node: "
+                "secondary (ZeRO++ hpZ) keeps a copy split over the ranks of a node: "
                 "name the axis across nodes as parallel.node (a mesh of {'node': N, 'dp': "
                 "ranks per node})"
             )
         if self.node is not None and self.node in (self.zero_axis, self.replicate):
             raise ConfigError(
-                f"parallel.node names {self.node!r}, which is already the data axis or the "
+                f"node names {self.node!r}, which is already the data axis or the "
                 "replicas'; the axis across nodes needs an axis of its own"
             )
         if self.sequence_parallel and self.tp is None:

@@ -25,6 +25,7 @@ def zero(
     *,
     quantize_weights: bool = False,
     secondary: str | Iterable[str] | None = None,
+    quantize_grads: bool = False,
 ) -> Rules:
     """ZeRO (Rajbhandari et al., 2020) as rules: stage 1 splits the optimizer
     state over ``axis``, stage 2 also the gradients (reduced with
@@ -43,6 +44,11 @@ def zero(
       some of ``axis`` — and backward gathers it over those only: its
       gathers never cross nodes, for ``1/size(secondary)`` of the parameters
       held per rank from forward to backward.
+    - ``quantize_grads=True`` (qgZ, stage 2 or 3, over two axes: across
+      nodes, then within): gradients are reduce-scattered in blockwise
+      int4, by an all-to-all within each node, a sum, and one across nodes
+      (:func:`shardax.collectives.quantized_psum_scatter`). Lossy: each
+      contribution is off by up to half an int4 step of its block.
 
     >>> import shardax as sx
     >>> sx.rules.zero(2)
@@ -57,6 +63,11 @@ def zero(
     """
     if isinstance(stage, bool) or stage not in _STAGES:
         raise ShardingError(f"ZeRO stage is 0, 1, 2 or 3; got {stage!r}")
+    if stage < 2 and quantize_grads:
+        raise ShardingError(
+            f"rules.zero({stage}, quantize_grads=True): qgZ reduce-scatters split gradients, and "
+            "stages 0 and 1 all-reduce whole ones; use rules.zero(2 or 3, ...)"
+        )
     if stage != 3 and (quantize_weights or secondary):
         raise ShardingError(
             f"rules.zero({stage}, quantize_weights=..., secondary=...): ZeRO++'s weight options "
@@ -67,5 +78,11 @@ def zero(
     if not roles:
         return Rules()
     return Rules(
-        ShardOver(axis, roles=roles, quantize_weights=quantize_weights, secondary=secondary or ())
+        ShardOver(
+            axis,
+            roles=roles,
+            quantize_weights=quantize_weights,
+            secondary=secondary or (),
+            quantize_grads=quantize_grads,
+        )
     )

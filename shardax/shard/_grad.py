@@ -94,7 +94,8 @@ class _Slot:
     def reduce(self, g: torch.Tensor) -> None:
         x = self.leaf
         compute = role_layout(x, "compute")
-        self.reducer.add(g, compute.dual(), role_layout(x, "grads"), x.shape, self.add)
+        across = x.placement.grads_across if x.placement is not None else ()
+        self.reducer.add(g, compute.dual(), role_layout(x, "grads"), x.shape, self.add, across)
 
 
 class Tape:

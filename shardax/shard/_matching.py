@@ -377,9 +377,15 @@ class Rules:
                         spec = ShardOver(over.secondary).extend(compute.spec, shape, mesh)
                         spec = fit_spec(spec, shape, mesh, path=path)
                         secondary = Layout(mesh, spec) if spec != compute.spec else None
+        across: tuple[str, ...] = ()
+        if grads.spec != compute.spec and not compute.partial:  # reduce-scattered: how (qgZ)
+            over = next((o for o in self.overs if o.quantize_grads and "grads" in o.roles
+                         and o.matches(path)), None)  # fmt: skip
+            if over is not None and set(over.axis) <= set(grads.spec.axes):
+                across = over.axis[:1]
         return Placement(
             compute, grads, opt, modules=self.modules, memory=memory, weights=weights,
-            secondary=secondary,
+            secondary=secondary, grads_across=across,
         )  # fmt: skip
 
     def unmatched(self, paths: Iterable[str]) -> list[str]:

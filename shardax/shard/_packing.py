@@ -19,6 +19,7 @@ import torch
 
 from ..collectives._backend import start
 from ..collectives._ops import AllGather, AllReduce, ReduceScatter, _offsets
+from ..collectives._qgz import quantized_psum_scatter
 from ..kernels._quant import dequantize_int8, quantize_int8, scale_count
 
 __all__ = [
@@ -225,10 +226,16 @@ def start_psum_scatter_direct(
 
 def start_psum_scatter(
     bucket: Sequence[tuple[torch.Tensor, ReduceScatter, Sink]],
+    int4: tuple[Any, tuple[str, ...]] | None = None,
 ) -> Callable[[], None]:
     """One reduce-scatter of every ``(tensor, its psum_scatter, sink)`` in
     ``bucket``, all over one group; ``finish()`` hands each sink this rank's
-    piece of its sum."""
+    piece of its sum.
+
+    ``int4`` (ZeRO++'s qgZ): ``(mesh, axes across nodes)``; the packed
+    rows are reduced by :func:`~shardax.collectives.quantized_psum_scatter`
+    (int4, within the node over the group's other axes, then across),
+    here and now (it is not asynchronous)."""
     group = bucket[0][1].group
     n, me = group.size, group.index
     pieces: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -241,13 +248,20 @@ def start_psum_scatter(
     for r, row in enumerate(pieces):
         if row:
             torch.cat(row, out=send[r, : lengths[r]])
-    recv = send.new_empty(m)
-    handle = start(
-        group, "psum_scatter", lambda b: b.reduce_scatter(recv, send, group), lambda: None
-    )
+    if int4 is not None:
+        mesh, across = int4
+        within = tuple(a for a in group.axes if a not in across)
+        recv = quantized_psum_scatter(send.view(-1), across, within, mesh=mesh)
+        handle = None
+    else:
+        recv = send.new_empty(m)
+        handle = start(
+            group, "psum_scatter", lambda b: b.reduce_scatter(recv, send, group), lambda: None
+        )
 
     def finish() -> None:
-        handle.wait()
+        if handle is not None:
+            handle.wait()
         offset = 0
         for g, op, sink in bucket:
             shape = _piece_shape(g.shape, op.dim, op.sizes[me])

@@ -91,9 +91,20 @@ class ShardOver:
     """ZeRO++'s hpZ: the axes (within a node) a second copy of each gathered
     parameter stays split over until backward, which gathers it over these
     axes only."""
+    quantize_grads: bool = attrs.field(default=False, kw_only=True, converter=bool)
+    """ZeRO++'s qgZ: gradients reduce-scattered in int4, by an all-to-all
+    over the later axes (within a node), then one over the first (across
+    nodes)."""
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
+        if self.quantize_grads and ("grads" not in self.roles or len(self.axis) < 2):
+            raise ShardingError(
+                f"ShardOver({self.axis!r}, roles={self.roles!r}, quantize_grads=True): qgZ "
+                "reduce-scatters split gradients hierarchically, so it needs ZeRO-2 or 3 "
+                "(roles including 'grads') over two axes, the one across nodes first: "
+                "rules.zero(3, ('node', 'local'), quantize_grads=True)"
+            )
         if (self.quantize_weights or self.secondary) and "params" not in self.roles:
             option = "quantize_weights" if self.quantize_weights else "secondary"
             raise ShardingError(
@@ -158,6 +169,7 @@ class ShardOver:
         roles = "" if self.roles == _SPLITTABLE else f", roles={self.roles!r}"
         pattern = "" if self.pattern == ".*" else f", pattern={self.pattern!r}"
         q = ", quantize_weights=True" if self.quantize_weights else ""
+        q += ", quantize_grads=True" if self.quantize_grads else ""
         second = self.secondary[0] if len(self.secondary) == 1 else self.secondary
         secondary = f", secondary={second!r}" if self.secondary else ""
         return f"ShardOver({axis!r}{roles}{pattern}{q}{secondary})"
@@ -194,6 +206,10 @@ class Placement:
     secondary: Layout | None = attrs.field(default=None, kw_only=True)
     """ZeRO++'s hpZ: the layout a second copy of the gathered parameter
     keeps from forward to backward, which gathers it from there."""
+    grads_across: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    """ZeRO++'s qgZ: the axes across nodes, when the gradient contributions
+    are reduce-scattered in int4 (within a node over the grads layout's
+    other axes, then across these); () for an exact reduction."""
 
     def memory_kind(self, role: str) -> str:
         """Where ``role``'s local data lives: ``"device"`` unless offloaded.
@@ -229,6 +245,8 @@ class Placement:
         memory = f", memory={dict(self.memory)!r}" if self.memory else ""
         weights = f", weights={self.weights!r}" if self.weights != "exact" else ""
         secondary = f", secondary={self.secondary.spec!r}" if self.secondary is not None else ""
+        if self.grads_across:
+            secondary += f", grads_across={self.grads_across!r}"
         return (
             f"Placement(compute={self.compute.spec!r}{partial}, grads={self.grads.spec!r}, "
             f"opt_state={self.opt_state.spec!r}{memory}{weights}{secondary})"

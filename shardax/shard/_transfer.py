@@ -342,8 +342,10 @@ class Reducer:
     def __init__(self, bucket_bytes: int, in_flight: int = 2) -> None:
         self.bucket_bytes = int(bucket_bytes)
         self.in_flight = in_flight
-        self._open: dict[tuple[str, int, torch.dtype], list[tuple[torch.Tensor, Any, Sink]]] = {}
-        self._sizes: dict[tuple[str, int, torch.dtype], int] = {}
+        self._open: dict[
+            tuple[str, int, torch.dtype, Any], list[tuple[torch.Tensor, Any, Sink]]
+        ] = {}
+        self._sizes: dict[tuple[str, int, torch.dtype, Any], int] = {}
         self._flying: list[Callable[[], None]] = []
 
     def add(
@@ -353,11 +355,24 @@ class Reducer:
         dst: Layout,
         shape: tuple[int, ...],
         sink: Sink,
+        across: tuple[str, ...] = (),
     ) -> None:
+        """Reduce ``grad`` from ``src`` to ``dst`` (the global ``shape``)
+        and hand the result to ``sink``. ``across`` (ZeRO++'s qgZ): where
+        the program is one psum_scatter, it runs in int4 — over the group's
+        other axes within a node, then over these across nodes."""
         prog = program(src, dst, shape)
         op = prog.collective
         if not prog.ops:
             sink(grad)
+            return
+        if across and isinstance(op, ReduceScatter):
+            if prog.view_in is not None:
+                grad = grad.reshape(prog.view_in)
+            if prog.view_out is not None:
+                sink = _reshaped(sink, prog.out_shape)
+            mesh = dst.mesh
+            self._bucket(grad, op, sink, (mesh, across))
             return
         hierarchical = _scatter_then_sum(prog)
         if hierarchical is not None:  # HSDP: each piece then summed over the replicas, bucketed too
@@ -377,22 +392,23 @@ class Reducer:
             return
         self._bucket(grad, op, sink)
 
-    def _bucket(self, grad: torch.Tensor, op: Any, sink: Sink) -> None:
-        """``grad`` into the open bucket of ``op``'s kind, group and dtype,
-        launched once it holds ``bucket_bytes``."""
-        key = (type(op).__name__, id(op.group), grad.dtype)
+    def _bucket(self, grad: torch.Tensor, op: Any, sink: Sink, int4: Any = None) -> None:
+        """``grad`` into the open bucket of ``op``'s kind, group and dtype
+        (and ``int4``: qgZ's ``(mesh, axes across)``), launched once it
+        holds ``bucket_bytes``."""
+        key = (type(op).__name__, id(op.group), grad.dtype, int4)
         self._open.setdefault(key, []).append((grad, op, sink))
         self._sizes[key] = self._sizes.get(key, 0) + grad.numel() * grad.element_size()
         if self._sizes[key] >= self.bucket_bytes:
             self._launch(key)
 
-    def _launch(self, key: tuple[str, int, torch.dtype]) -> None:
+    def _launch(self, key: tuple[str, int, torch.dtype, Any]) -> None:
         bucket = self._open.pop(key)
         self._sizes.pop(key)
         if isinstance(bucket[0][1], AllReduce):
             self._fly(start_psum(bucket))
         else:
-            self._fly(start_psum_scatter(bucket))
+            self._fly(start_psum_scatter(bucket, int4=key[3]))
 
     def _fly(self, finish: Callable[[], None]) -> None:
         """Keep at most ``in_flight`` reductions going: finishing the oldest
