@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -25,6 +25,8 @@ import torch
 from .._timing import phase
 from .._tree import flatten_with_paths
 from ..errors import ShardingError
+from ..mesh._mesh import normalize_axes
+from ._layout import Layout
 from ._memory import detached, placed, release
 from ._placement import memory_kind, role_layout
 from ._sharded import Sharded
@@ -62,11 +64,14 @@ class _Slot:
     """One tracked parameter and its reduced gradient (no reference back to
     the tape: no cycle keeps gradients alive after the call)."""
 
-    __slots__ = ("accumulate", "grad", "held", "leaf", "path", "reducer")
+    __slots__ = ("accumulate", "grad", "grads_layout", "held", "leaf", "path", "reducer")
 
-    def __init__(self, reducer: Reducer, path: str, leaf: Any, accumulate: bool) -> None:
+    def __init__(
+        self, reducer: Reducer, path: str, leaf: Any, accumulate: bool, grads_layout: Layout
+    ) -> None:
         self.reducer, self.path, self.leaf = reducer, path, leaf
         self.accumulate = accumulate
+        self.grads_layout = grads_layout  # where contributions are reduced to
         self.grad: torch.Tensor | None = None
         self.held: torch.Tensor | None = None  # contributions summed here, reduced at flush
 
@@ -95,7 +100,7 @@ class _Slot:
         x = self.leaf
         compute = role_layout(x, "compute")
         across = x.placement.grads_across if x.placement is not None else ()
-        self.reducer.add(g, compute.dual(), role_layout(x, "grads"), x.shape, self.add, across)
+        self.reducer.add(g, compute.dual(), self.grads_layout, x.shape, self.add, across)
 
 
 class Tape:
@@ -110,10 +115,13 @@ class Tape:
     reductions, and :func:`apply` the gathers (forward and backward).
     """
 
-    def __init__(self, reducer: Reducer, *, accumulate: bool = False) -> None:
+    def __init__(
+        self, reducer: Reducer, *, accumulate: bool = False, unreduced: tuple[str, ...] = ()
+    ) -> None:
         self.anchor = torch.zeros((), requires_grad=True)
         self.reducer = reducer
         self.accumulate = accumulate
+        self.unreduced = unreduced
         self.slots: dict[int, _Slot] = {}
         self._deferred: list[Callable[[], None]] = []
 
@@ -129,7 +137,8 @@ class Tape:
                 t = Sharded(
                     detached(x.local).requires_grad_(), x.layout, x.shape, placement=x.placement
                 )
-                self.slots[id(t)] = _Slot(self.reducer, path, t, self.accumulate)
+                grads = _grads_layout(path, t, self.unreduced)
+                self.slots[id(t)] = _Slot(self.reducer, path, t, self.accumulate, grads)
             elif isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
                 t = detached(x).requires_grad_()
             else:
@@ -174,6 +183,7 @@ def value_and_grad(
     has_aux: bool = False,
     *,
     bucket_bytes: int = 25 * 2**20,
+    unreduced: str | Sequence[str] = (),
 ) -> Callable[..., Any]:
     """A function returning ``(value, grads)`` of ``fn`` with respect to its
     argument ``argnums`` (a pytree of parameters: :class:`Sharded` leaves or
@@ -193,6 +203,12 @@ def value_and_grad(
             ``((value, aux), grads)``.
         bucket_bytes: gradient reductions travel in buckets of about this
             size, each started as soon as it fills during backward.
+        unreduced: mesh axes over which each rank keeps its own gradient
+            contribution, not summed: the gradients come back partial over
+            them (``Sharded`` with ``partial=`` those axes; their sum is the
+            gradient), for optimizers that reduce them themselves, compressed
+            (:func:`shardax.optim.onebit_adam`). A parameter whose gradient
+            is split over one of them (ZeRO-2/3 there) is refused.
 
     >>> import torch, shardax as sx
     >>> mesh = sx.Mesh({"dp": 1})
@@ -209,7 +225,7 @@ def value_and_grad(
                 f"value_and_grad: argnums={argnums} but the function got {len(args)} positional "
                 "arguments; pass the parameters positionally"
             )
-        tape = Tape(Reducer(bucket_bytes))
+        tape = Tape(Reducer(bucket_bytes), unreduced=normalize_axes(unreduced))
         traced, tracked = tape.track(args[argnums])
         new_args = (*args[:argnums], traced, *args[argnums + 1 :])
         meshes = {x.mesh for _, x, _ in tracked if isinstance(x, Sharded)}
@@ -243,6 +259,24 @@ def value_and_grad(
     return wrapped
 
 
+def _grads_layout(path: str, x: Sharded, unreduced: tuple[str, ...]) -> Layout:
+    """Where ``x``'s gradient contributions are reduced to: its grads
+    layout, left partial over the ``unreduced`` axes it is replicated on."""
+    grads = role_layout(x, "grads")
+    if not unreduced:
+        return grads
+    x.mesh.check_axes(unreduced, what="value_and_grad(unreduced=...)")
+    split = [a for a in unreduced if a in grads.spec.axes]
+    if split:
+        raise ShardingError(
+            f"value_and_grad(unreduced={unreduced!r}): the gradient of {path} (shape "
+            f"{tuple(x.shape)}) is split over {split} (grads layout {grads.spec!r}, on "
+            f"{x.mesh!r}), so its contributions must be summed there; keep gradients "
+            "unreduced only over axes they are replicated on (ZeRO-0 or 1 there)"
+        )
+    return Layout(grads.sharding, partial=tuple(dict.fromkeys((*grads.partial, *unreduced))))
+
+
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)
@@ -260,7 +294,7 @@ def _grad_of(tape: Tape, x: Any, t: Any) -> Any:
     if not isinstance(x, Sharded):
         return t.grad
     slot = tape.slots[id(t)]
-    grads_layout = role_layout(t, "grads")
+    grads_layout = slot.grads_layout
     g = slot.grad
     if t.local.grad is not None:  # used outside apply: contributions in the dual layout
         other = transfer(Sharded(t.local.grad, t.layout.dual(), t.shape), grads_layout).local

@@ -195,3 +195,41 @@ def test_hybrid_sharding_matches_pytorch(stage, world_size):
             torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-5, msg=k)
         assert layout["blocks.0.up.weight"] == (P("fsdp") if stage == 3 else P(), P("fsdp"))
         assert moved == [want] * 5
+
+
+def unreduced_ranks(stage: int):
+    mesh = sx.Mesh({"dp": -1})
+    with torch.device("meta"):
+        model = Net()
+    torch.manual_seed(0)
+    params = sx.init_params(model, mesh, sx.rules.zero(stage))
+    n, i = mesh.size("dp"), mesh.axis_index("dp")
+    x, y = batch(0)
+    local = slice(i * BATCH // n, (i + 1) * BATCH // n)
+    with sx.collectives.traffic() as t:
+        _, g = sx.value_and_grad(_loss, unreduced="dp")(params, model, x[local], y[local])
+    own = {k: v.local.clone() for k, v in g.items()}
+    assert all(v.layout.partial == ("dp",) for v in g.values())
+    return own, sx.gather(g), dict(t.bytes)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_unreduced_gradients_are_each_ranks_own_contribution(world_size):
+    """``value_and_grad(unreduced="dp")``: each rank's gradient is its own
+    contribution (the gradient of its local loss over the world size),
+    partial over ``dp``: nothing is reduced (only the loss's pmean moves),
+    and their sum — what ``gather`` gives — is one process's gradient. A
+    gradient split over ``dp`` (ZeRO-2) is refused by name."""
+    _, ref_grads, _ = reference(1)
+    runs = run_ranks(unreduced_ranks, 0, world_size=world_size)
+    for k in ref_grads[0]:
+        torch.testing.assert_close(
+            runs[0][0][k] + runs[1][0][k], ref_grads[0][k], rtol=1e-5, atol=1e-6
+        )
+        assert not torch.equal(runs[0][0][k], runs[1][0][k]), k
+    for _, gathered, moved in runs:
+        assert moved == {("pmean", ("dp",)): 4}
+        for k in ref_grads[0]:
+            torch.testing.assert_close(gathered[k], ref_grads[0][k], rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match=r"is split over \['dp'\].*ZeRO-0 or 1 there"):
+        run_ranks(unreduced_ranks, 2, world_size=world_size)
