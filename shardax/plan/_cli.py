@@ -118,6 +118,12 @@ def _ints(value: str | None) -> tuple[int, ...] | None:
 @click.option("--tp", help="Tensor-parallel degrees to try, e.g. 1,2,4,8.")
 @click.option("--pp", help="Pipeline degrees to try.")
 @click.option("--zero", default="0,1,2,3", show_default=True, help="ZeRO stages to try.")
+@click.option(
+    "--data",
+    default="flat",
+    show_default=True,
+    help="How data ranks across nodes split the state: flat, hsdp, zeropp (comma-separated).",
+)
 @click.option("--top", type=int, default=5, show_default=True, help="Plans shown.")
 @click.option("--why", is_flag=True, help="Every part of the best plan's time and memory.")
 @click.option(
@@ -137,6 +143,7 @@ def plan_command(
     tp: str | None,
     pp: str | None,
     zero: str,
+    data: str,
     top: int,
     why: bool,
     out: Path | None,
@@ -156,7 +163,7 @@ def plan_command(
     cluster = Cluster.load(cluster_spec)
     if nodes is not None:
         cluster = cluster.with_nodes(nodes)
-    space = Space(tp=_ints(tp), pp=_ints(pp), zero=_ints(zero))
+    space = Space(tp=_ints(tp), pp=_ints(pp), zero=_ints(zero), data=tuple(data.split(",")))
     memory = memory_gib * 2**30 if memory_gib is not None else None
     ranking = search(model, cluster, batch=batch, seq=seq, space=space, precision=precision,
                      memory=memory, attention=attention, top=top)  # fmt: skip

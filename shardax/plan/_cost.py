@@ -126,6 +126,8 @@ class _Sizes:
     global_batch: int
     virtual: int
     ep: int = 1
+    replicas: int = 1  # HSDP: the data ranks holding the same shards
+    inner: int = 1  # with parallel.node: the ZeRO ranks of a node (hpZ's and qgZ's groups)
 
 
 def _sizes(config: RunConfig, world: int) -> _Sizes:
@@ -151,9 +153,11 @@ def _sizes(config: RunConfig, world: int) -> _Sizes:
     virtual = p.pp_virtual if p.pp_schedule in ("interleaved_1f1b", "looped_bfs") else 1
     if p.pp_schedule in ("zbv", "dualpipe_v"):
         virtual = 2
+    inner = size(p.zero_axis) if p.node is not None else 1
     return _Sizes(
-        size(p.tp), size(p.sp), pp, dp, micro, size_, batch.global_size, virtual, size(p.ep)
-    )
+        size(p.tp), size(p.sp), pp, dp, micro, size_, batch.global_size, virtual, size(p.ep),
+        size(p.replicate), inner,
+    )  # fmt: skip
 
 
 def _group_link(mesh: Any, axes: tuple[str | None, ...], cluster: Cluster) -> Link:
@@ -321,12 +325,15 @@ def _state_arithmetic(
 ) -> dict[str, float]:
     outer = shape.params - shape.layers * shape.block_params
     n = (shape.layers // s.pp * shape.block_params + outer) / s.tp
-    zero, dp = config.parallel.zero, s.dp
-    return {
+    zero, dp = config.parallel.zero, s.dp // s.replicas  # HSDP: split within a replica
+    state = {
         "params": n * pbytes / (dp if zero == 3 else 1),
         "grads": n * pbytes / (dp if zero >= 2 else 1),
         "opt_state": n * _optimizer_bytes(config) / (dp if zero >= 1 else 1),
     }
+    if config.parallel.secondary:  # hpZ: the copy split within the node
+        state["secondary"] = n * pbytes / s.inner
+    return state
 
 
 def _remat_share(config: RunConfig, layers: int) -> float:
@@ -425,7 +432,7 @@ def _estimate(
     grads_n = (per_rank * block + outer) / s.tp  # elements this rank reduces
     dp_axes = config.data_axes
     dp_link = _group_link(mesh, dp_axes, cluster)
-    time["dp_comm"], overlappable = _dp_time(config, s, grads_n * nbytes, dp_link, remat)
+    time["dp_comm"], overlappable = _dp_time(config, s, grads_n, nbytes, mesh, cluster, remat)
     hidden_part = 0.0 if s.pp > 1 else min(overlappable, cluster.overlap * compute_window)
     time["dp_comm"] -= hidden_part
     if s.dp > 1:
@@ -437,7 +444,7 @@ def _estimate(
         )
 
     # -- the optimizer step and what offloading moves ---------------------------------
-    elems = grads_n / (s.dp if p.zero >= 1 else 1)
+    elems = grads_n / (s.dp // s.replicas if p.zero >= 1 else 1)
     opt = _optimizer_bytes(config)
     time["optimizer"] = elems * (2 * opt + 2 * nbytes + nbytes) / bw
     time["offload"] = _offload_time(config, cluster, world, s, elems, grads_n, opt, nbytes)
@@ -510,21 +517,52 @@ def _stages(name: str, ranks: int, virtual: int) -> int:
 
 
 def _dp_time(
-    config: RunConfig, s: _Sizes, grad_bytes: float, link: Link, remat: float
+    config: RunConfig,
+    s: _Sizes,
+    elements: float,
+    nbytes: int,
+    mesh: Any,
+    cluster: Cluster,
+    remat: float,
 ) -> tuple[float, float]:
-    """(seconds of the data axis's collectives per step, the part of them
+    """(seconds of the data axes' collectives per step, the part of them
     that can run under the compute): gradients reduced each micro-batch
     (once per step under a pipeline), ZeRO-1/2's params gathered after the
-    step, ZeRO-3's before each forward and backward."""
-    n, zero = s.dp, config.parallel.zero
+    step, ZeRO-3's before each forward and backward — ``elements`` of
+    ``nbytes`` each per rank. HSDP (``parallel.replicate``): ZeRO's
+    collectives within a replica, the gradient shards all-reduced across
+    the replicas. ZeRO++ (``parallel.node``): forward gathers in int8
+    (qwZ), backward's within the node (hpZ), the reduce-scatter as int4
+    all-to-alls within the node then across (qgZ)."""
+    p, zero = config.parallel, config.parallel.zero
+    size = elements * nbytes
+    data = _group_link(mesh, config.data_axes, cluster)
+    inside = tuple(a for a in config.data_axes if a != p.replicate)  # ZeRO's axes
+    shard_link = _group_link(mesh, inside, cluster)
+    shard = s.dp // s.replicas
     reduces = 1 if s.pp > 1 else s.micro_batches
     if zero <= 1:
-        grads = reduces * collective_time("all_reduce", grad_bytes, n, link)
+        grads = collective_time("all_reduce", size, s.dp, data)
+    elif p.quantize_grads:  # qgZ: int4 all-to-alls, within the node, then across
+        int4 = elements * (0.5 + 4 / 256)
+        node_link = _group_link(mesh, (p.zero_axis,), cluster)
+        grads = collective_time("all_to_all", int4, s.inner, node_link)
+        grads += collective_time("all_to_all", int4 / s.inner, shard // s.inner, data)
     else:
-        grads = reduces * collective_time("reduce_scatter", grad_bytes, n, link)
-    gather = collective_time("all_gather", grad_bytes, n, link)
+        grads = collective_time("reduce_scatter", size, shard, shard_link)
+        if s.replicas > 1:  # HSDP: each shard summed over the replicas
+            grads += collective_time("all_reduce", size / shard, s.replicas, data)
+    grads *= reduces
+    gather = collective_time("all_gather", size, shard, shard_link)
     if zero == 3:
-        gathers = (2 + (remat > 0)) * s.micro_batches * gather
+        forward = gather
+        if p.quantize_weights:  # qwZ: int8 blocks
+            forward = collective_time("all_gather", elements * (1 + 4 / 256), shard, shard_link)
+        backward = forward
+        if p.secondary:  # hpZ: from the copy within the node
+            node_link = _group_link(mesh, (p.zero_axis,), cluster)
+            backward = collective_time("all_gather", size, s.inner, node_link)
+        gathers = (forward + backward + (remat > 0) * forward) * s.micro_batches
         return grads + gathers, grads + gathers
     after = gather if zero >= 1 else 0.0
     return grads + after, grads
@@ -556,7 +594,7 @@ def _offload_time(
             return math.inf
         return disk if kind.startswith("disk:") else cluster.host_bandwidth
 
-    shard = grads_n / (s.dp if config.parallel.zero == 3 else 1)
+    shard = grads_n / (s.dp // s.replicas if config.parallel.zero == 3 else 1)
     return (
         2 * elems * opt / over(m.offload_opt)
         + 2 * s.micro_batches * shard * nbytes / over(m.offload_params)

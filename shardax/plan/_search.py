@@ -46,7 +46,7 @@ class Space:
     state may live (``"host"``, ``"disk:PATH"``).
 
     >>> Space(zero=(3,), remat=(None,))
-    Space(tp=None, pp=None, sp=None, ep=None, zero=(3,), micro=None, schedules=('1f1b', 'interleaved_1f1b', 'zbv'), virtual=(2,), remat=(None,), sequence_parallel=(False, True), offload_opt=(None, 'host'))
+    Space(tp=None, pp=None, sp=None, ep=None, zero=(3,), micro=None, schedules=('1f1b', 'interleaved_1f1b', 'zbv'), virtual=(2,), remat=(None,), sequence_parallel=(False, True), offload_opt=(None, 'host'), data=('flat',))
     """
 
     tp: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
@@ -64,6 +64,18 @@ class Space:
     )
     sequence_parallel: tuple[bool, ...] = attrs.field(default=(False, True), converter=tuple)
     offload_opt: tuple[str | None, ...] = attrs.field(default=(None, "host"), converter=tuple)
+    data: tuple[str, ...] = attrs.field(default=("flat",), converter=tuple)
+    """How the data ranks split the state when they span nodes: ``"flat"``
+    (ZeRO over all of them), ``"hsdp"`` (ZeRO-2/3 within a node, replicas
+    across: ``parallel.replicate``), ``"zeropp"`` (ZeRO-3 over all of them
+    with ZeRO++'s int8 weight gathers, a secondary copy in the node and
+    int4 gradient reductions)."""
+
+    @data.validator
+    def _check_data(self, _: Any, value: tuple[str, ...]) -> None:
+        unknown = [v for v in value if v not in ("flat", "hsdp", "zeropp")]
+        if unknown or not value:
+            raise PlanError(f"Space.data takes some of 'flat', 'hsdp', 'zeropp'; got {value!r}")
 
 
 @attrs.frozen
@@ -218,7 +230,8 @@ def _state_key(config: RunConfig, world: int) -> Any:
     p, m = config.parallel, config.memory
     mesh = config.abstract_mesh(world)
     return (tuple(mesh.axis_sizes), tuple(mesh.axis_names), p.zero, p.tp, p.sp, p.pp,
-            p.sequence_parallel, m.offload_opt, m.offload_params, m.offload_grads)  # fmt: skip
+            p.sequence_parallel, m.offload_opt, m.offload_params, m.offload_grads, p.replicate,
+            p.node, p.secondary)  # fmt: skip
 
 
 def _no_fit(smallest: tuple[float, Estimate] | None, budget: float, world: int) -> PlanError:
@@ -270,8 +283,10 @@ def _candidates(
                         if per_rank % b:
                             continue
                         degrees = {"pp": p, "dp": dp, "ep": ep, "sp": sp, "tp": t}
-                        yield from _variants(space, degrees, b, per_rank, precision, optimizer,
-                                             left)  # fmt: skip
+                        per_node = cluster.devices_per_node // (ep * sp * t)  # data ranks
+                        for data in space.data:
+                            yield from _variants(space, degrees, b, per_rank, precision,
+                                                 optimizer, left, data, per_node)  # fmt: skip
 
 
 def _variants(
@@ -282,11 +297,22 @@ def _variants(
     precision: str,
     optimizer: str,
     left: dict[str, int],
+    data: str = "flat",
+    per_node: int = 1,
 ) -> Iterator[RunConfig]:
     m = per_rank // b
     t, p, sp, ep = degrees["tp"], degrees["pp"], degrees["sp"], degrees["ep"]
     rows = degrees["dp"] * ep  # the ranks that take their own rows of the batch
     mesh = {k: v for k, v in degrees.items() if v > 1 or k == "dp"}
+    dp = degrees["dp"]
+    if data != "flat":  # the data ranks split into those of a node and those across
+        if per_node < 2 or dp <= per_node or dp % per_node:
+            return  # within a node (or not in whole nodes): the flat layout's
+        outer = "replicate" if data == "hsdp" else "node"
+        mesh = {k: v for k, v in mesh.items() if k != "dp"}
+        at = list(mesh).index("pp") + 1 if "pp" in mesh else 0
+        items = list(mesh.items())
+        mesh = dict([*items[:at], (outer, dp // per_node), ("dp", per_node), *items[at:]])
     looped = ("interleaved_1f1b", "looped_bfs")  # the schedules that take virtual stages
     schedules = (
         [(name, v) for name in space.schedules for v in (space.virtual if name in looped else (2,))]
@@ -297,6 +323,15 @@ def _variants(
     choices = itertools.product(space.zero, space.remat, seq_pars, schedules, space.offload_opt)
     for zero, remat, seq_par, (schedule, virtual), offload in choices:
         parallel: dict[str, Any] = {"zero": zero}
+        if data == "hsdp":
+            if zero < 2:
+                continue
+            parallel["replicate"] = "replicate"
+        elif data == "zeropp":
+            if zero < 3:
+                continue
+            parallel.update(node="node", secondary=True, quantize_weights=True,
+                            quantize_grads=True)  # fmt: skip
         if t > 1:
             parallel.update(tp="tp", sequence_parallel=seq_par)
         if sp > 1:

@@ -34,6 +34,10 @@ def layout_name(est: Estimate) -> str:
                         (p.ep, "ep")):  # fmt: skip
         if axis is not None and axis in mesh.axis_names and (mesh.size(axis) > 1 or label == "dp"):
             parts.append(f"{label}{mesh.size(axis)}")
+    if p.replicate:  # HSDP: replicas of the dp ranks' shards
+        parts.append(f"hsdp x{mesh.size(p.replicate)}")
+    if p.node:  # ZeRO over the nodes too, with ZeRO++'s options
+        parts.append(f"x{mesh.size(p.node)} nodes")
     if p.sequence_parallel:
         parts.append("seqpar")
     batch = c.batch.resolve(c.dp_size(world))
@@ -45,6 +49,10 @@ def layout_name(est: Estimate) -> str:
             f"b{batch.micro}" + (f"x{batch.accumulation}" if batch.accumulation > 1 else "")
         )
     parts.append(f"zero{p.zero}")
+    zeropp = "".join(n for n, on in (("w", p.quantize_weights), ("h", p.secondary),
+                                     ("g", p.quantize_grads)) if on)  # fmt: skip
+    if zeropp:
+        parts.append(f"zero++{zeropp}")
     if mem.remat:
         parts.append("remat" if mem.remat == "save_nothing" else mem.remat)
     for role, kind in (("opt", mem.offload_opt), ("params", mem.offload_params),

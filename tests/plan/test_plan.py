@@ -310,3 +310,45 @@ def test_the_example_trains_from_the_plan_it_is_given(tmp_path):
     losses = [float(line.split("loss ")[1].split()[0]) for line in done.stdout.splitlines()
               if "] step " in line]  # fmt: skip
     assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_hybrid_sharding_and_zeropp_trade_state_for_traffic_across_nodes():
+    """On 4 nodes of 8 joined by a slow network (10 Gbit/s), ZeRO-3 over
+    all 32 ranks sends everything across; HSDP (replicas across nodes)
+    sends only the gradient shards' all-reduce, for 4x the state; ZeRO++
+    (int8 gathers, backward's within the node, int4 reductions) keeps the
+    1/32 state plus a 1/8 secondary copy and sends a fraction of the bytes.
+    The search finds them when asked (``data=``), and its plans are run
+    configs the tools accept."""
+    model = _gpt2(8, 1024, 16, vocab=8192, seq=1024)
+    cluster = attrs.evolve(sx.plan.Cluster.load("a100-80gb").with_nodes(4),
+                           inter=sx.plan.Link(bandwidth="1.25 GB/s", latency="10 us"))  # fmt: skip
+    common = {"precision": {"params": "bf16"}, "batch": {"global": 64, "micro": 2}}
+    layouts = {
+        "flat": {"mesh": {"dp": 32}, "parallel": {"zero": 3}},
+        "hsdp": {"mesh": {"replicate": 4, "dp": 8}, "parallel": {"zero": 3, "replicate": "replicate"}},
+        "zeropp": {"mesh": {"node": 4, "dp": 8}, "parallel": {
+            "zero": 3, "node": "node", "secondary": True, "quantize_weights": True,
+            "quantize_grads": True}},
+    }  # fmt: skip
+    est = {name: sx.plan.predict(RunConfig.from_dict({**common, **layout}), model, cluster, seq=1024)
+           for name, layout in layouts.items()}  # fmt: skip
+    n = sum(p.numel() for p in model.parameters())
+    assert est["flat"].memory["params"] == pytest.approx(2 * n / 32, rel=1e-3)
+    assert est["hsdp"].memory["params"] == pytest.approx(2 * n / 8, rel=1e-3)
+    assert est["zeropp"].memory["params"] == pytest.approx(2 * n / 32, rel=1e-3)
+    assert est["zeropp"].memory["secondary"] == pytest.approx(2 * n / 8, rel=1e-3)
+    assert est["zeropp"].step_time < 0.6 * est["flat"].step_time
+    assert est["hsdp"].step_time < 0.6 * est["flat"].step_time
+    assert "x4 nodes" in layout_name(est["zeropp"]) and "zero++whg" in layout_name(est["zeropp"])
+    assert "hsdp x4" in layout_name(est["hsdp"])
+    space = sx.plan.Space(tp=(1,), pp=(1,), zero=(3,), remat=(None,), offload_opt=(None,),
+                          data=("flat", "hsdp", "zeropp"))  # fmt: skip
+    ranking = sx.plan.search(model, cluster, batch=64, seq=1024, space=space, top=20)
+    kinds = {("hsdp" if e.config.parallel.replicate else "zeropp" if e.config.parallel.node
+              else "flat") for e in ranking.plans}  # fmt: skip
+    assert kinds == {"flat", "hsdp", "zeropp"} and ranking.best.config.parallel.zero == 3
+    assert ranking.best.config.parallel.replicate or ranking.best.config.parallel.node
+    assert RunConfig.from_text(ranking.config_text(0)) == ranking.config(0)
+    with pytest.raises(PlanError, match=r"Space\.data takes some of"):
+        sx.plan.Space(data=("mics",))
