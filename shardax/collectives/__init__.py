@@ -3,7 +3,8 @@
 ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
 ``all_to_all``, ``ragged_all_to_all`` (with ``exchange_sizes``), ``ppermute``,
 ``broadcast``, ``axis_index``, ``axis_size``, ``barrier``; ``quantized_psum_scatter``
-(ZeRO++'s qgZ: an int4 reduce-scatter in two all-to-alls, within then across nodes); ``count_once`` for a loss every rank computes identically.
+(ZeRO++'s qgZ: an int4 reduce-scatter in two all-to-alls, within then across nodes);
+``onebit_pmean`` (1-bit Adam's mean: signs and a scale, with error feedback); ``count_once`` for a loss every rank computes identically.
 Their autograd transposes are one table (:mod:`shardax.collectives._ops`).
 
 One return rule for every collective that returns a tensor: it returns the
@@ -39,6 +40,8 @@ from ._backend import Backend as Backend
 from ._backend import Handle as Handle
 from ._backend import backend_names as backend_names
 from ._backend import get_backend as get_backend
+from ._onebit import onebit_errors as onebit_errors
+from ._onebit import onebit_pmean as onebit_pmean
 from ._ops import chunk_sizes as chunk_sizes
 from ._ops import transpose as transpose
 from ._p2p import recv as recv
@@ -67,6 +70,8 @@ __all__ = [
     "exchange_sizes",
     "get_backend",
     "moving",
+    "onebit_errors",
+    "onebit_pmean",
     "pmax",
     "pmean",
     "pmin",

@@ -57,6 +57,8 @@ from ._global import scale_by_param_block_rms as scale_by_param_block_rms
 from ._global import scale_by_trust_ratio as scale_by_trust_ratio
 from ._norms import all_finite as all_finite
 from ._norms import global_norm as global_norm
+from ._onebit import onebit_adam as onebit_adam
+from ._onebit_lamb import onebit_lamb as onebit_lamb
 from ._precision import DynamicLossScale as DynamicLossScale
 from ._precision import MasterWeightsState as MasterWeightsState
 from ._precision import with_master_weights as with_master_weights
@@ -148,6 +150,8 @@ __all__ = [
     "masked",
     "one_cycle",
     "one_cycle_schedule",
+    "onebit_adam",
+    "onebit_lamb",
     "piecewise",
     "piecewise_constant_schedule",
     "rmsprop",
