@@ -992,7 +992,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         """The whole vocabulary's logits for the whole sequence."""
         return sx.apply(model, params, x, rules=rules)
 
-    grad_fn = sx.value_and_grad(loss_fn, bucket_bytes=run.parallel.bucket_bytes)
+    # 1-bit optimizers average the gradients themselves: each rank's own, unreduced
+    grad_fn = sx.value_and_grad(
+        loss_fn, bucket_bytes=run.parallel.bucket_bytes, unreduced=run.unreduced_axes
+    )
     if pipe is not None:
         grad_fn, val_fn = pipelined(run, model, mesh, pipe, stages)
     tokens_per_step = batch.global_size * cfg.seq_len

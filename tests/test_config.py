@@ -333,6 +333,54 @@ def test_zeropp_in_a_config_and_from_deepspeed():
         RunConfig.from_dict({"parallel": {"zero": 1, "node": "node", "quantize_grads": True}})
 
 
+def test_onebit_optimizers_in_a_config_and_from_deepspeed():
+    """``onebit_adam`` / ``onebit_lamb`` take ``freeze_step`` (required) and,
+    for LAMB, its trust ratio's ``lamb`` settings; the run's gradients stay
+    unreduced over the data axes (``unreduced_axes``), which the optimizer
+    averages; ZeRO, pipelines and experts are refused by name. DeepSpeed's
+    OneBitAdam converts with its arithmetic (no bias correction), OneBitLamb
+    with its settings, and ZeroOneAdam is refused by name."""
+    run = RunConfig.from_dict({"mesh": {"dp": 4}, "optimizer": {
+        "type": "onebit_lamb", "freeze_step": 10, "lamb": {"max_coeff": 0.3}}})  # fmt: skip
+    assert RunConfig.from_dict(run.to_dict()) == run and run.unreduced_axes == ("dp",)
+    assert (
+        "onebit_lamb(lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0, freeze_step=10, max_coeff=0.3); 1-bit momenta over ('dp',)"
+        in run.plan(4)
+    )
+    run.make_optimizer()
+    with pytest.raises(ConfigError, match="onebit_adam needs freeze_step"):
+        RunConfig.from_dict({"optimizer": {"type": "onebit_adam"}})
+    with pytest.raises(ConfigError, match="freeze_step is a setting of onebit_adam"):
+        RunConfig.from_dict({"optimizer": {"type": "adamw", "freeze_step": 3}})
+    with pytest.raises(
+        ConfigError, match=r"lamb \(the trust ratio's settings\) is for onebit_lamb"
+    ):
+        RunConfig.from_dict(
+            {"optimizer": {"type": "onebit_adam", "freeze_step": 3, "lamb": {"max_coeff": 1}}}
+        )
+    with pytest.raises(ConfigError, match=r"unknown \['max_ratio'\]"):
+        RunConfig.from_dict(
+            {"optimizer": {"type": "onebit_lamb", "freeze_step": 3, "lamb": {"max_ratio": 1}}}
+        )
+    with pytest.raises(ConfigError, match="ZeRO-0 only"):
+        RunConfig.from_dict(
+            {"parallel": {"zero": 1}, "optimizer": {"type": "onebit_adam", "freeze_step": 3}}
+        )
+    adam = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 4e-4, "freeze_step": 23000,
+            "bias_correction": True, "cuda_aware": False, "comm_backend_name": "nccl"}}}  # fmt: skip
+    data, unmapped = from_deepspeed(adam)
+    assert data["optimizer"] == {"type": "onebit_adam", "bias_correction": False, "lr": 4e-4,
+                                 "freeze_step": 23000}  # fmt: skip
+    assert [k for k, _ in unmapped] == [f"optimizer.params.{k}" for k in
+                                        ("bias_correction", "cuda_aware", "comm_backend_name")]  # fmt: skip
+    lamb = {"optimizer": {"type": "OneBitLamb", "params": {"freeze_step": 5, "max_coeff": 0.3,
+                                                           "factor_max": 2.0}}}  # fmt: skip
+    data, _ = from_deepspeed(lamb)
+    assert data["optimizer"]["lamb"] == {"max_coeff": 0.3, "factor_max": 2.0}
+    with pytest.raises(ConfigError, match="0/1 Adam's local steps between synchronisations"):
+        from_deepspeed({"optimizer": {"type": "ZeroOneAdam"}})
+
+
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])
 def test_shared_deepspeed_configs_convert(path):
     """Each real config converts, or is refused naming every key whose loss
@@ -432,8 +480,8 @@ def test_deepspeed_docs_configs_convert():
     assert adam == ({"optimizer": {"type": "adam", "weight_decay": 0.1}}, [])  # L2, faithfully
     with pytest.raises(ConfigError, match="fp16 and bf16 are both enabled"):
         from_deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, lossy=True)
-    with pytest.raises(ConfigError, match=r"optimizer\.type='OneBitAdam' \(shardax has adamw"):
-        from_deepspeed({"optimizer": {"type": "OneBitAdam"}})
+    with pytest.raises(ConfigError, match=r"optimizer\.type='SuperAdam' \(shardax has adamw"):
+        from_deepspeed({"optimizer": {"type": "SuperAdam"}})
     with pytest.raises(ConfigError, match=r"scheduler\.type='LRRangeTest' \(shardax maps"):
         from_deepspeed({"scheduler": {"type": "LRRangeTest"}})
     with pytest.raises(ConfigError, match=r"curriculum_learning \(curriculum learning changes"):

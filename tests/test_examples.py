@@ -293,6 +293,38 @@ def test_train_gpt_with_zeropp_ends_within_one_percent_of_zero3(tmp_path):
         assert last["loss"] != plain["loss"], name
 
 
+@pytest.mark.slow
+def test_train_gpt_with_onebit_optimizers_ends_within_one_percent_of_uncompressed(tmp_path):
+    """The 1-bit optimizers from a run config, 200 steps of the example GPT
+    on 2 ranks, each against the same optimizer never compressing (its
+    freeze_step past the run: DeepSpeed's Adam or LAMB on the averaged
+    gradient). 1-bit Adam from step 41 (DeepSpeed's arithmetic, as its
+    configs convert) and 1-bit LAMB from step 101 end with a mean loss over
+    the last 20 steps within 1 % of theirs, after the same warm-up."""
+    base = 'mesh: {dp: 2}\noptimizer: {type: "%s", freeze_step: %d%s}\n'
+    runs = {}
+    for name, text in {
+        "adam": base % ("onebit_adam", 40, ", bias_correction: false"),
+        "adam_plain": base % ("onebit_adam", 200, ", bias_correction: false"),
+        "lamb": base % ("onebit_lamb", 100, ", lr: 0.005"),
+        "lamb_plain": base % ("onebit_lamb", 200, ", lr: 0.005"),
+    }.items():
+        config = tmp_path / f"{name}.hjson"
+        config.write_text(text)
+        done = launch(
+            "--nproc-per-node", "2", "examples/train_gpt.py", *TINY, "--steps", "200",
+            "--log-every", "50", "--batch-size", "4", "--config", str(config),
+            "--out", str(tmp_path / name),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        rows = list(csv.DictReader((tmp_path / name / "loss.csv").read_text().splitlines()))
+        runs[name] = [float(r["loss"]) for r in rows]
+    for name in ("adam", "lamb"):
+        mean, plain = (sum(runs[n][-20:]) / 20 for n in (name, f"{name}_plain"))
+        assert abs(mean - plain) <= 0.01 * plain, (name, mean, plain)
+        assert runs[name][:40] == runs[f"{name}_plain"][:40]  # the same warm-up
+
+
 def test_train_gpt_with_context_parallelism_gives_the_one_process_losses(
     tmp_path, train_gpt, capsys
 ):

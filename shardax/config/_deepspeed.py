@@ -94,10 +94,10 @@ def from_deepspeed(
     ({'global': 32}, {'zero': 2}, 'fp16')
     >>> unmapped
     [('zero_allow_untested_optimizer', 'no effect here: shardax runs any optimizer')]
-    >>> from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}})
+    >>> from_deepspeed({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}})
     Traceback (most recent call last):
     ...
-    shardax.errors.ConfigError: DeepSpeed config: cannot convert without changing what the run computes: optimizer.type='OneBitAdam' (shardax has adamw, adam, lion, sgd, adagrad, rmsprop, lamb); pass --lossy (lossy=True) to drop them, listed in the output
+    shardax.errors.ConfigError: DeepSpeed config: cannot convert without changing what the run computes: optimizer.type='ZeroOneAdam' (0/1 Adam's local steps between synchronisations are not in shardax yet; onebit_adam is 1-bit Adam); pass --lossy (lossy=True) to drop them, listed in the output
     """
     return _convert(ds, lossy, lambda key: "")
 
@@ -378,7 +378,14 @@ def _ds_precision(key: str, value: Mapping[str, Any], put: Put, skip: Skip) -> N
 
 _DS_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "lamb": "lamb", "lion": "lion", "sgd": "sgd",
                   "adagrad": "adagrad", "rmsprop": "rmsprop", "fusedadam": "adam",
-                  "cpuadam": "adam", "deepspeedcpuadam": "adam"}  # fmt: skip
+                  "cpuadam": "adam", "deepspeedcpuadam": "adam", "onebitadam": "onebit_adam",
+                  "onebitlamb": "onebit_lamb"}  # fmt: skip
+_ONEBIT_NOTES = {
+    "cuda_aware": "shardax's 1-bit collectives run over the mesh's backend",
+    "comm_backend_name": "shardax's 1-bit collectives run over the mesh's backend",
+}
+_LAMB_KEYS = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min",
+              "factor_threshold")  # fmt: skip
 
 
 def _optimizer_name(opt: Any) -> str | None:
@@ -395,14 +402,26 @@ def _optimizer_name(opt: Any) -> str | None:
 def _ds_optimizer(opt: Mapping[str, Any], put: Put, skip: Skip) -> None:
     name = _optimizer_name(opt)
     if name is None:
-        skip(f"optimizer.type={opt.get('type')!r}", f"shardax has {', '.join(OPTIMIZERS)}")
+        why = f"shardax has {', '.join(OPTIMIZERS)}"
+        if str(opt.get("type", "")).lower() == "zerooneadam":
+            why = ("0/1 Adam's local steps between synchronisations are not in shardax yet; "
+                   "onebit_adam is 1-bit Adam")  # fmt: skip
+        skip(f"optimizer.type={opt.get('type')!r}", why)
         return
     put("optimizer", "type", name)
+    if name == "onebit_adam":  # DeepSpeed's OnebitAdam corrects no bias, whatever its flag
+        put("optimizer", "bias_correction", False)
+    lamb: dict[str, float] = {}  # OnebitLamb's trust ratio settings
     for k, v in _section("optimizer.params", opt.get("params", {})).items():
         where = f"optimizer.params.{k}"
         if v == "auto":
             continue
-        if k in ("lr", "eps", "weight_decay", "momentum"):
+        if name == "onebit_lamb" and k in _LAMB_KEYS:
+            lamb[k] = _number(where, v)
+        elif name in ("onebit_adam", "onebit_lamb") and k in ("freeze_step", "bias_correction",
+                                                              *_ONEBIT_NOTES, *_LAMB_KEYS):  # fmt: skip
+            _ds_onebit(name, k, v, where, put, skip)
+        elif k in ("lr", "eps", "weight_decay", "momentum"):
             put("optimizer", k, _number(where, v))
         elif k == "betas":
             if not isinstance(v, list):
@@ -421,6 +440,22 @@ def _ds_optimizer(opt: Mapping[str, Any], put: Put, skip: Skip) -> None:
             continue
         else:
             skip(where, "no shardax setting for it")
+    if lamb:
+        put("optimizer", "lamb", lamb)
+
+
+def _ds_onebit(name: str, key: str, value: Any, where: str, put: Put, skip: Skip) -> None:
+    """A setting of DeepSpeed's OnebitAdam or OnebitLamb."""
+    if key == "freeze_step":
+        put("optimizer", "freeze_step", _whole(where, value))
+    elif key == "bias_correction":
+        _flag(where, value)
+        skip(where, f"DeepSpeed's {'OnebitAdam' if name == 'onebit_adam' else 'OnebitLamb'} "
+             "corrects no moment bias whatever it says, and neither does this conversion", False)  # fmt: skip
+    elif key in _ONEBIT_NOTES:
+        skip(where, _ONEBIT_NOTES[key], False)
+    else:  # a trust ratio setting given to OnebitAdam, which DeepSpeed does not read
+        skip(where, "a setting of OnebitLamb; DeepSpeed's OnebitAdam does not read it", False)
 
 
 class _Params:

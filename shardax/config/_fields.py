@@ -13,7 +13,17 @@ import attrs
 from ..errors import ConfigError
 from ..pipeline._named import SCHEDULES as PIPELINE_SCHEDULES
 
-OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adagrad", "rmsprop", "lamb")
+OPTIMIZERS = (
+    "adamw",
+    "adam",
+    "lion",
+    "sgd",
+    "adagrad",
+    "rmsprop",
+    "lamb",
+    "onebit_adam",
+    "onebit_lamb",
+)
 SCHEDULES = (
     "constant",
     "warmup_constant",

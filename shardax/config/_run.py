@@ -57,7 +57,7 @@ class RunConfig:
     >>> RunConfig.from_dict({"optimizer": {"typ": "adamw"}})
     Traceback (most recent call last):
     ...
-    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, bias_correction, clip_global_norm, eps, lr, momentum, type, weight_decay
+    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, bias_correction, clip_global_norm, eps, freeze_step, lamb, lr, momentum, type, weight_decay
     """
 
     mesh: dict[str, int] = attrs.field(factory=lambda: {"dp": -1}, converter=_mesh)
@@ -88,6 +88,13 @@ class RunConfig:
         _check_axes(self)
         if self.parallel.pp is not None:
             _check_pipeline(self)
+        p = self.parallel
+        if self.optimizer.type in ("onebit_adam", "onebit_lamb") and (p.zero or p.pp or p.ep):
+            raise ConfigError(
+                f"optimizer.type {self.optimizer.type} averages each rank's own momentum, whole, "
+                "over the data axes, as DeepSpeed's 1-bit optimizers (ZeRO-0 only): use "
+                f"parallel.zero: 0 without pp or ep (got zero {p.zero}, pp {p.pp!r}, ep {p.ep!r})"
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> RunConfig:
@@ -303,8 +310,11 @@ class RunConfig:
             )
 
         o = self.optimizer
-        opt = _optimizer(o, self.make_schedule())
-        if o.clip_global_norm:  # unclipped, its place kept: the same state either way
+        if self.unreduced_axes:  # 1-bit: it averages (and clips) the gradients itself
+            opt = _onebit(o, self.make_schedule(), self.unreduced_axes, clip)
+        else:
+            opt = _optimizer(o, self.make_schedule())
+        if o.clip_global_norm and not self.unreduced_axes:  # unclipped, its place kept
             clipping = optim.clip_by_global_norm(o.clip_global_norm) if clip else optim.identity()
             opt = optim.chain(clipping, opt)
         if self.precision.params != "fp32" and self.precision.master_weights:
@@ -312,6 +322,21 @@ class RunConfig:
         if accumulation > 1:
             opt = optim.MultiSteps(opt, accumulation)
         return opt
+
+    @property
+    def unreduced_axes(self) -> tuple[str, ...]:
+        """The axes ``value_and_grad(unreduced=...)`` leaves the gradients
+        partial over: the data axes, for the 1-bit optimizers (which average
+        them themselves); else none.
+
+        >>> RunConfig.from_dict({"optimizer": {"type": "onebit_adam", "freeze_step": 10}}).unreduced_axes
+        ('dp',)
+        >>> RunConfig().unreduced_axes
+        ()
+        """
+        if self.optimizer.type not in ("onebit_adam", "onebit_lamb"):
+            return ()
+        return tuple(a for a in self.data_axes if a in self.mesh)
 
     def make_pipeline(self, world_size: int) -> Any:
         """The pipeline schedule (``parallel.pp_schedule`` over the ``pp``
@@ -427,8 +452,21 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
             f"{batch.accumulation} x data-parallel {run.dp_size(world_size)}",
             f"optimizer: {o.type}(lr={o.lr:g}, betas={tuple(o.betas)}, eps={o.eps:g}, "
             f"weight_decay={o.weight_decay:g}"
-            + (", bias_correction=False)" if not o.bias_correction else ")")
-            + (f", clipped at global norm {o.clip_global_norm:g}" if o.clip_global_norm else ""),
+            + (", bias_correction=False" if not o.bias_correction else "")
+            + (f", freeze_step={o.freeze_step}" if o.freeze_step else "")
+            + "".join(f", {k}={v:g}" for k, v in o.lamb.items())
+            + ")"
+            + (f", clipped at global norm {o.clip_global_norm:g}" if o.clip_global_norm else "")
+            + (
+                " (the averaged gradient, then each rank's own)"
+                if o.clip_global_norm and run.unreduced_axes
+                else ""
+            )
+            + (
+                f"; 1-bit momenta over {run.unreduced_axes!r} after the warm-up"
+                if run.unreduced_axes
+                else ""
+            ),
             _schedule_line(s, lr, total),
             f"precision: {run.precision.params}"
             + (" with fp32 master weights" if run.precision.params != "fp32" else "")
@@ -463,6 +501,23 @@ def _optimizer(o: OptimizerConfig, lr: Callable[[int], float]) -> Any:
         "lamb": lambda: optim.lamb(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
     }
     return makers[o.type]()
+
+
+def _onebit(
+    o: OptimizerConfig, lr: Callable[[int], float], axes: tuple[str, ...], clip: bool
+) -> Any:
+    """The 1-bit optimizer ``o`` names, averaging over ``axes``; it clips
+    the gradients itself (``clip_global_norm``, as DeepSpeed's
+    ``gradient_clipping`` with it)."""
+    from .. import optim
+
+    b1, b2 = o.betas
+    common = {"b1": b1, "b2": b2, "eps": o.eps, "weight_decay": o.weight_decay,
+              "freeze_step": o.freeze_step, "axis": axes,
+              "max_grad_norm": o.clip_global_norm if clip else None}  # fmt: skip
+    if o.type == "onebit_adam":
+        return optim.onebit_adam(lr, bias_correction=o.bias_correction, **common)
+    return optim.onebit_lamb(lr, **common, **o.lamb)
 
 
 def _input_cast(params: str | None) -> Callable[[Any], Any]:

@@ -131,11 +131,37 @@ class ParallelConfig:
                 )
 
 
+_LAMB_KEYS = (
+    "max_coeff",
+    "min_coeff",
+    "coeff_beta",
+    "factor_max",
+    "factor_min",
+    "factor_threshold",
+)
+
+
+def _lamb_settings(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"optimizer.lamb is an object of numbers; got {value!r}")
+    unknown = sorted(set(value) - set(_LAMB_KEYS))
+    if unknown:
+        raise ConfigError(f"optimizer.lamb: unknown {unknown}; it takes {', '.join(_LAMB_KEYS)}")
+    return {k: _as_float(f"lamb.{k}")(v) for k, v in value.items()}
+
+
 @attrs.frozen
 class OptimizerConfig:
     """The optimizer (``type``) and its hyperparameters; ``bias_correction``
-    (adam, adamw): false divides by neither moment's bias correction, as
-    DeepSpeed's and apex's FusedAdam with ``bias_correction=False``."""
+    (adam, adamw, onebit_adam): false divides by neither moment's bias
+    correction, as DeepSpeed's and apex's FusedAdam with
+    ``bias_correction=False`` (and DeepSpeed's OnebitAdam, always).
+    ``onebit_adam`` and ``onebit_lamb`` (DeepSpeed's OnebitAdam and
+    OnebitLamb: 1-bit momenta after ``freeze_step`` warm-up steps, over the
+    data axes, at ZeRO-0) take ``freeze_step``, and 1-bit LAMB its trust
+    ratio's ``lamb`` settings (``max_coeff``, ``min_coeff``, ``coeff_beta``,
+    ``factor_max``, ``factor_min``, ``factor_threshold``; DeepSpeed's
+    names and defaults)."""
 
     type: str = attrs.field(default="adamw", validator=_in(OPTIMIZERS))
     lr: float = attrs.field(default=1e-3, converter=_as_float("lr"), validator=_positive)
@@ -151,11 +177,30 @@ class OptimizerConfig:
         default=None, converter=_optional(_as_float, "clip_global_norm"), validator=_positive
     )
     bias_correction: bool = attrs.field(default=True, converter=_as_bool("bias_correction"))
+    freeze_step: int | None = attrs.field(
+        default=None, converter=_optional(_as_int, "freeze_step"), validator=_positive
+    )
+    lamb: dict[str, float] = attrs.field(factory=dict, converter=_lamb_settings)
 
     def __attrs_post_init__(self) -> None:
         if len(self.betas) != 2:
             raise ConfigError(f"optimizer.betas is two numbers; got {self.betas!r}")
-        if not self.bias_correction and self.type not in ("adam", "adamw"):
+        onebit = self.type in ("onebit_adam", "onebit_lamb")
+        if onebit and self.freeze_step is None:
+            raise ConfigError(
+                f"{self.type} needs freeze_step: the warm-up steps of full-precision Adam "
+                "before the variance freezes and the momenta go 1-bit (DeepSpeed suggests "
+                "15-25 % of the run)"
+            )
+        if not onebit and self.freeze_step is not None:
+            raise ConfigError(
+                f"freeze_step is a setting of onebit_adam and onebit_lamb, not {self.type}"
+            )
+        if self.lamb and self.type != "onebit_lamb":
+            raise ConfigError(
+                f"lamb (the trust ratio's settings) is for onebit_lamb, not {self.type}"
+            )
+        if not self.bias_correction and self.type not in ("adam", "adamw", "onebit_adam"):
             raise ConfigError(
                 f"bias_correction is false, a switch of adam and adamw only: {self.type} always "
                 "corrects its moments' bias. Use type adam or adamw, or drop bias_correction"

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..shard._layout import Layout
 from ..shard._memory import allocate, is_disk, release
 from ..shard._placement import memory_kind
 from ..shard._sharded import Sharded
@@ -99,7 +100,7 @@ def with_master_weights(
         # None gradients stay None: the inner optimizer keeps those leaves
         found = gradless(updates)
         flat = Flat(state.master if found is None else found.cut(state.master), "state.master")
-        grads = flat.build([g.to(dtype) for g in flat.align(updates, "updates")])
+        grads = _cast_gradients(flat, updates, dtype)
         # the inner optimizer sees the whole master copy (MultiSteps may step a leaf whose
         # gradient came at an earlier micro-step), and says which leaves it updates
         inner_updates, inner_state = inner.update(grads, state.inner_state, state.master)
@@ -120,6 +121,25 @@ def with_master_weights(
     if isinstance(inner, Fusible):
         return Fusible(reference.init, reference.update, MasterFusion(inner, dtype))
     return reference
+
+
+def _cast_gradients(flat: Flat, updates: Any, dtype: torch.dtype) -> Any:
+    """``updates`` cast to ``dtype`` in the layouts of ``flat``'s leaves —
+    keeping the partial axes of gradients left partial
+    (``value_and_grad(unreduced=...)``, for the 1-bit optimizers, which sum
+    them themselves): relaying them to the master's layout would sum them."""
+    leaves, spec = flatten(updates, "updates")
+    if spec != flat.spec or not any(isinstance(g, Sharded) and g.partial for g in leaves):
+        return flat.build([g.to(dtype) for g in flat.align(updates, "updates")])
+    out = []
+    for g, ref in zip(leaves, flat.leaves, strict=True):
+        if isinstance(g, Sharded) and isinstance(ref, Sharded):
+            target = Layout(ref.layout.sharding, partial=g.partial)
+            g = g if g.layout == target else transfer(g, target)
+            out.append(Sharded(g.local.to(dtype), target, g.shape))
+        else:
+            out.append((g.local if isinstance(g, Sharded) else g).to(dtype))
+    return optree.tree_unflatten(spec, out)
 
 
 # -- dynamic loss scaling ------------------------------------------------------------
