@@ -63,3 +63,33 @@ def reference(steps: int) -> tuple[list[float], list[dict], dict]:
         opt.step()
         losses.append(loss.item())
     return losses, grads, {k: v.clone() for k, v in sx.params_of(model).items()}
+
+
+def _loss(params, model, x, y):
+    return F.cross_entropy(sx.apply(model, params, x).flatten(0, 1), y.flatten())
+
+
+def traced_adamw_steps(mesh, rules, axes, steps: int):
+    """``steps`` AdamW steps of :class:`Net` (built on meta, initialised as
+    the reference) under ``rules``, the global batch split over ``axes``:
+    the losses, each step's gathered gradients and traffic log, the final
+    params (still sharded) and the last step's gradients."""
+    with torch.device("meta"):
+        model = Net()
+    torch.manual_seed(0)
+    params = sx.init_params(model, mesh, rules)
+    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    opt_state = opt.init(params)
+    n, i = mesh.size(axes), mesh.axis_index(axes)
+    losses, grads, moved, g = [], [], [], None
+    for step in range(steps):
+        x, y = batch(step)
+        local = slice(i * BATCH // n, (i + 1) * BATCH // n)
+        with sx.collectives.traffic() as t:
+            loss, g = sx.value_and_grad(_loss)(params, model, x[local], y[local])
+        moved.append(dict(t.bytes))
+        grads.append(sx.gather(g))
+        updates, opt_state = opt.update(g, opt_state, params)
+        params = sx.optim.apply_updates(params, updates)
+        losses.append(loss.item())
+    return losses, grads, moved, params, g

@@ -248,6 +248,22 @@ def test_train_gpt_with_hybrid_sharding_gives_the_data_parallel_losses(tmp_path)
                 assert abs(float(a[key]) - float(b[key])) <= 1e-6 * float(b[key]), (key, a, b)
 
 
+def _train_200(tmp_path: Path, name: str, config_text: str, nproc: int) -> tuple[list, str]:
+    """200 steps of the tiny example GPT (batch 4) on ``nproc`` ranks under
+    the run config ``config_text``: its ``loss.csv`` rows and its output."""
+    config = tmp_path / f"{name}.hjson"
+    config.write_text(config_text)
+    done = launch(
+        "--nproc-per-node", str(nproc), "examples/train_gpt.py", *TINY, "--steps", "200",
+        "--log-every", "50", "--batch-size", "4", "--config", str(config),
+        "--out", str(tmp_path / name),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return list(
+        csv.DictReader((tmp_path / name / "loss.csv").read_text().splitlines())
+    ), done.stdout
+
+
 @pytest.mark.slow
 def test_train_gpt_with_zeropp_ends_within_one_percent_of_zero3(tmp_path):
     """ZeRO++ from a run config on a ``node`` × ``dp`` mesh of 4 ranks, 200
@@ -265,19 +281,11 @@ def test_train_gpt_with_zeropp_ends_within_one_percent_of_zero3(tmp_path):
         "qgz": zpp + ", quantize_grads: true}\n",
         "all": zpp + ", secondary: true, quantize_weights: true, quantize_grads: true}\n",
     }.items():
-        config = tmp_path / f"{name}.hjson"
-        config.write_text(text)
-        done = launch(
-            "--nproc-per-node", "4", "examples/train_gpt.py", *TINY, "--steps", "200",
-            "--log-every", "50", "--batch-size", "4", "--config", str(config),
-            "--out", str(tmp_path / name),
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        runs[name] = list(csv.DictReader((tmp_path / name / "loss.csv").read_text().splitlines()))
+        runs[name], stdout = _train_200(tmp_path, name, text, nproc=4)
         if name == "all":
             assert (
                 "ZeRO++: int8 weight gathers (qwZ), a secondary copy over dp (hpZ), int4 gradient "
-                "reduce-scatters (qgZ)" in done.stdout
+                "reduce-scatters (qgZ)" in stdout
             )
     assert len(runs["hpz"]) == len(runs["zero3"]) == 200
     for a, b in zip(runs["hpz"], runs["zero3"], strict=True):
@@ -309,16 +317,7 @@ def test_train_gpt_with_onebit_optimizers_ends_within_one_percent_of_uncompresse
         "lamb": base % ("onebit_lamb", 100, ", lr: 0.005"),
         "lamb_plain": base % ("onebit_lamb", 200, ", lr: 0.005"),
     }.items():
-        config = tmp_path / f"{name}.hjson"
-        config.write_text(text)
-        done = launch(
-            "--nproc-per-node", "2", "examples/train_gpt.py", *TINY, "--steps", "200",
-            "--log-every", "50", "--batch-size", "4", "--config", str(config),
-            "--out", str(tmp_path / name),
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        rows = list(csv.DictReader((tmp_path / name / "loss.csv").read_text().splitlines()))
-        runs[name] = [float(r["loss"]) for r in rows]
+        runs[name] = [float(r["loss"]) for r in _train_200(tmp_path, name, text, nproc=2)[0]]
     for name in ("adam", "lamb"):
         mean, plain = (sum(runs[n][-20:]) / 20 for n in (name, f"{name}_plain"))
         assert abs(mean - plain) <= 0.01 * plain, (name, mean, plain)

@@ -68,6 +68,36 @@ def int4_bytes(n: int) -> int:
     return (n + 1) // 2
 
 
+def _outputs(
+    what: str,
+    x: torch.Tensor,
+    q: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    dtype: torch.dtype,
+    numel: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers quantizing ``x`` writes: ``q`` (``numel`` of ``dtype``)
+    and the fp32 scales, made where not given, checked where given."""
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{what} takes fp32, bf16 or fp16; got {x.dtype}")
+    count = scale_count(x.numel())
+    q = torch.empty(numel, dtype=dtype, device=x.device) if q is None else q
+    if scales is None:
+        scales = torch.empty(count, dtype=torch.float32, device=x.device)
+    if (
+        q.numel() != numel
+        or scales.numel() != count
+        or q.dtype != dtype
+        or scales.dtype != torch.float32
+    ):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"{what} of {x.numel()} elements writes {numel} {name} and {count} fp32 scales; "
+            f"got q {q.dtype} x {q.numel()}, scales {scales.dtype} x {scales.numel()}"
+        )
+    return q, scales
+
+
 def _native() -> Any:
     lib = QUANT.load()
     if lib is not None and not hasattr(lib, "_sx_typed"):
@@ -107,25 +137,8 @@ def quantize_int8(
     >>> q.tolist(), round(s.item() * 127, 6)
     ([64, -127, 32], 2.0)
     """
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"quantize_int8 takes fp32, bf16 or fp16; got {x.dtype}")
     n = x.numel()
-    q = torch.empty(n, dtype=torch.int8, device=x.device) if q is None else q
-    scales = (
-        torch.empty(scale_count(n), dtype=torch.float32, device=x.device)
-        if scales is None
-        else scales
-    )
-    if (
-        q.numel() != n
-        or scales.numel() != scale_count(n)
-        or q.dtype != torch.int8
-        or scales.dtype != torch.float32
-    ):
-        raise ValueError(
-            f"quantize_int8 of {n} elements writes {n} int8 and {scale_count(n)} fp32 scales; "
-            f"got q {q.dtype} x {q.numel()}, scales {scales.dtype} x {scales.numel()}"
-        )
+    q, scales = _outputs("quantize_int8", x, q, scales, torch.int8, n)
     flat = x.reshape(-1)
     if x.device.type == "cpu" and n and (lib := _native()) is not None:
         flat = flat.contiguous()
@@ -242,25 +255,8 @@ def quantize_int4(
     >>> [hex(b) for b in q.tolist()], round(s.item() * 7, 6)
     (['0x93', '0x2'], 2.0)
     """
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"quantize_int4 takes fp32, bf16 or fp16; got {x.dtype}")
     n = x.numel()
-    q = torch.empty(int4_bytes(n), dtype=torch.uint8, device=x.device) if q is None else q
-    scales = (
-        torch.empty(scale_count(n), dtype=torch.float32, device=x.device)
-        if scales is None
-        else scales
-    )
-    if (
-        q.numel() != int4_bytes(n)
-        or scales.numel() != scale_count(n)
-        or q.dtype != torch.uint8
-        or scales.dtype != torch.float32
-    ):
-        raise ValueError(
-            f"quantize_int4 of {n} elements writes {int4_bytes(n)} uint8 and {scale_count(n)} "
-            f"fp32 scales; got q {q.dtype} x {q.numel()}, scales {scales.dtype} x {scales.numel()}"
-        )
+    q, scales = _outputs("quantize_int4", x, q, scales, torch.uint8, int4_bytes(n))
     flat = x.reshape(-1)
     if (
         x.device.type == "cpu"

@@ -7,7 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
-from _zero_net import BATCH, BETAS, EPS, LR, WD, Block, Net, batch, reference
+from _zero_net import (
+    BATCH,
+    BETAS,
+    EPS,
+    LR,
+    WD,
+    Block,
+    Net,
+    batch,
+    reference,
+    traced_adamw_steps,
+)
 from torch import nn
 
 import shardax as sx
@@ -144,25 +155,8 @@ def hsdp_ranks(stage: int, steps: int):
     """``train_ranks`` on a 2 × 2 mesh: ZeRO-``stage`` over ``fsdp`` inside
     each replica, the batch split over both axes."""
     mesh = sx.Mesh({"replicate": 2, "fsdp": -1})
-    with torch.device("meta"):
-        model = Net()
-    torch.manual_seed(0)
-    params = sx.init_params(model, mesh, sx.rules.zero(stage, "fsdp"))
-    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-    opt_state = opt.init(params)
-    n = mesh.size(("replicate", "fsdp"))
-    i = mesh.axis_index("replicate") * mesh.size("fsdp") + mesh.axis_index("fsdp")
-    losses, grads, moved = [], [], []
-    for step in range(steps):
-        x, y = batch(step)
-        local = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        with sx.collectives.traffic() as t:
-            loss, g = sx.value_and_grad(_loss)(params, model, x[local], y[local])
-        moved.append(dict(t.bytes))
-        grads.append(sx.gather(g))
-        updates, opt_state = opt.update(g, opt_state, params)
-        params = sx.optim.apply_updates(params, updates)
-        losses.append(loss.item())
+    rules = sx.rules.zero(stage, "fsdp")
+    losses, grads, moved, params, g = traced_adamw_steps(mesh, rules, ("replicate", "fsdp"), steps)
     layout = {k: (v.layout.spec, g[k].layout.spec) for k, v in params.items()}
     return losses, grads, sx.gather(params), layout, moved
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
-from _zero_net import BATCH, BETAS, EPS, LR, WD, Net, batch, reference
+from _zero_net import BETAS, EPS, LR, WD, Net, batch, reference, traced_adamw_steps
 
 import shardax as sx
 from shardax.errors import ShardingError
@@ -22,32 +22,11 @@ MESH = {"node": 2, "local": 2}
 AXES = ("node", "local")
 
 
-def _loss(params, model, x, y):
-    return F.cross_entropy(sx.apply(model, params, x).flatten(0, 1), y.flatten())
-
-
 def zeropp_ranks(options: dict, steps: int, stage: int = 3):
     """AdamW steps under ZeRO-``stage`` over node × local with ``options``:
     losses, gradients, final parameters, each step's traffic, a placement."""
-    mesh = sx.Mesh(MESH)
-    with torch.device("meta"):
-        model = Net()
-    torch.manual_seed(0)
-    params = sx.init_params(model, mesh, sx.rules.zero(stage, AXES, **options))
-    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-    opt_state = opt.init(params)
-    n, i = mesh.size(AXES), mesh.axis_index(AXES)
-    losses, grads, moved = [], [], []
-    for step in range(steps):
-        x, y = batch(step)
-        local = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        with sx.collectives.traffic() as t:
-            loss, g = sx.value_and_grad(_loss)(params, model, x[local], y[local])
-        moved.append(dict(t.bytes))
-        grads.append(sx.gather(g))
-        updates, opt_state = opt.update(g, opt_state, params)
-        params = sx.optim.apply_updates(params, updates)
-        losses.append(loss.item())
+    rules = sx.rules.zero(stage, AXES, **options)
+    losses, grads, moved, params, _ = traced_adamw_steps(sx.Mesh(MESH), rules, AXES, steps)
     return losses, grads, sx.gather(params), moved, repr(params["blocks.0.up.weight"].placement)
 
 

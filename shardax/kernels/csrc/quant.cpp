@@ -12,6 +12,7 @@
 // to nearest even (half.h).
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "half.h"
 
@@ -106,6 +107,27 @@ void dequantize_block4(const uint8_t* q, float scale, int64_t lo, int64_t hi, vo
   if ((hi - lo) & 1) store(out, DTYPE, hi - 1, unpack4(in[pairs] & 0xfu) * scale);
 }
 
+// ``body(dtype as a compile-time constant, block index, lo, hi)`` for every
+// block of ``n`` elements, in parallel; 0, or -1 for a dtype or block it does
+// not know.
+template <class Body>
+int for_blocks(int dtype, int64_t n, int64_t block, Body body) {
+  if (block <= 0 || (dtype != 0 && dtype != 2 && dtype != 3)) return -1;
+  const int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+    if (dtype == 3) {
+      body(std::integral_constant<int, 3>(), b, lo, hi);
+    } else if (dtype == 2) {
+      body(std::integral_constant<int, 2>(), b, lo, hi);
+    } else {
+      body(std::integral_constant<int, 0>(), b, lo, hi);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -123,39 +145,17 @@ void sx_quant_threads(int n) {
 // Returns 0, or -1 for a dtype or block it does not know.
 int sx_quantize_int8(const void* x, int dtype, int64_t n, int64_t block, int8_t* q,
                      float* scales) {
-  if (block <= 0 || (dtype != 0 && dtype != 2 && dtype != 3)) return -1;
-  const int64_t blocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
-    if (dtype == 3) {
-      quantize_block<3>(x, lo, hi, q, scales + b);
-    } else if (dtype == 2) {
-      quantize_block<2>(x, lo, hi, q, scales + b);
-    } else {
-      quantize_block<0>(x, lo, hi, q, scales + b);
-    }
-  }
-  return 0;
+  return for_blocks(dtype, n, block, [&](auto d, int64_t b, int64_t lo, int64_t hi) {
+    quantize_block<decltype(d)::value>(x, lo, hi, q, scales + b);
+  });
 }
 
 // out (n elements of ``dtype``) = q * scale of its block.
 int sx_dequantize_int8(const int8_t* q, const float* scales, int64_t n, int64_t block, void* out,
                        int dtype) {
-  if (block <= 0 || (dtype != 0 && dtype != 2 && dtype != 3)) return -1;
-  const int64_t blocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
-    if (dtype == 3) {
-      dequantize_block<3>(q, scales[b], lo, hi, out);
-    } else if (dtype == 2) {
-      dequantize_block<2>(q, scales[b], lo, hi, out);
-    } else {
-      dequantize_block<0>(q, scales[b], lo, hi, out);
-    }
-  }
-  return 0;
+  return for_blocks(dtype, n, block, [&](auto d, int64_t b, int64_t lo, int64_t hi) {
+    dequantize_block<decltype(d)::value>(q, scales[b], lo, hi, out);
+  });
 }
 
 // x: n elements of ``dtype``; q: (n + 1) / 2 bytes, two int4 values each
@@ -163,39 +163,19 @@ int sx_dequantize_int8(const int8_t* q, const float* scales, int64_t n, int64_t 
 // a dtype it does not know or a block that is not positive and even.
 int sx_quantize_int4(const void* x, int dtype, int64_t n, int64_t block, uint8_t* q,
                      float* scales) {
-  if (block <= 0 || block % 2 != 0 || (dtype != 0 && dtype != 2 && dtype != 3)) return -1;
-  const int64_t blocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
-    if (dtype == 3) {
-      quantize_block4<3>(x, lo, hi, q, scales + b);
-    } else if (dtype == 2) {
-      quantize_block4<2>(x, lo, hi, q, scales + b);
-    } else {
-      quantize_block4<0>(x, lo, hi, q, scales + b);
-    }
-  }
-  return 0;
+  if (block % 2 != 0) return -1;
+  return for_blocks(dtype, n, block, [&](auto d, int64_t b, int64_t lo, int64_t hi) {
+    quantize_block4<decltype(d)::value>(x, lo, hi, q, scales + b);
+  });
 }
 
 // out (n elements of ``dtype``) = the int4 value * scale of its block.
 int sx_dequantize_int4(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* out,
                        int dtype) {
-  if (block <= 0 || block % 2 != 0 || (dtype != 0 && dtype != 2 && dtype != 3)) return -1;
-  const int64_t blocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
-    if (dtype == 3) {
-      dequantize_block4<3>(q, scales[b], lo, hi, out);
-    } else if (dtype == 2) {
-      dequantize_block4<2>(q, scales[b], lo, hi, out);
-    } else {
-      dequantize_block4<0>(q, scales[b], lo, hi, out);
-    }
-  }
-  return 0;
+  if (block % 2 != 0) return -1;
+  return for_blocks(dtype, n, block, [&](auto d, int64_t b, int64_t lo, int64_t hi) {
+    dequantize_block4<decltype(d)::value>(q, scales[b], lo, hi, out);
+  });
 }
 
 }  // extern "C"
