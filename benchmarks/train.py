@@ -267,21 +267,30 @@ def setup_deepspeed(
 
 
 def _shardax_step(
-    cfg: GPTConfig, seed: int, mesh: sx.Mesh, rules: sx.Rules, loss: Callable[..., torch.Tensor]
+    cfg: GPTConfig,
+    seed: int,
+    mesh: sx.Mesh,
+    rules: sx.Rules,
+    loss: Callable[..., torch.Tensor],
+    opt: Any = None,
+    unreduced: tuple[str, ...] = (),
 ) -> Step:
     """The shardax train step: ``init_params`` from a meta model under
-    ``rules``, ``value_and_grad`` of ``loss(logits, y)``, ``optim.adamw``."""
+    ``rules``, ``value_and_grad`` of ``loss(logits, y)``, ``optim.adamw``
+    (or ``opt``; gradients left partial over ``unreduced``, for the 1-bit
+    optimizers)."""
     with torch.device("meta"):
         model = GPT(cfg)
     torch.manual_seed(seed)
     params = sx.init_params(model, mesh, rules)
-    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    if opt is None:
+        opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
     opt_state = opt.init(params)
 
     def loss_fn(params, batch):
         return loss(sx.apply(model, params, batch["x"], rules=rules), batch["y"])
 
-    grad_fn = sx.value_and_grad(loss_fn)
+    grad_fn = sx.value_and_grad(loss_fn, unreduced=unreduced)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         nonlocal params, opt_state

@@ -44,7 +44,14 @@ from ._base import (
 from ._norms import global_norm
 from ._transforms import add_decayed_weights, scale_by_learning_rate
 
-__all__ = ["OnebitAdamState", "onebit_adam", "own_gradients", "scale_by_onebit_adam"]
+__all__ = [
+    "OnebitAdamState",
+    "mine",
+    "onebit_adam",
+    "own_gradients",
+    "owner_stamp",
+    "scale_by_onebit_adam",
+]
 
 Axis = str | tuple[str, ...]
 
@@ -58,13 +65,33 @@ class OnebitAdamState(NamedTuple):
     param's local piece, the server error 1-d, this rank's chunk of it (see
     :func:`~shardax.collectives._onebit.onebit_pmean`). The errors differ
     from rank to rank and stay empty (0 elements) until the freeze, as
-    DeepSpeed allocates them there."""
+    DeepSpeed allocates them there. ``owner`` (int64 ``[rank, world
+    size]``) says whose errors they are: a checkpoint keeps rank 0's plain
+    tensors, so a rank that finds another's stamp (a restored state, or one
+    restored on another world) drops them and starts from zero errors, as
+    DeepSpeed resets its errors when it loads a checkpoint."""
 
     count: torch.Tensor
     mu: Any
     nu: Any
     worker_error: Any
     server_error: Any
+    owner: torch.Tensor
+
+
+def owner_stamp(tree: Any) -> torch.Tensor:
+    """``[rank, world size]`` of the mesh ``tree``'s Sharded leaves live on
+    (``[0, 1]`` without one): whose compression errors a state holds."""
+    leaves, _ = flatten(tree, "params")
+    mesh = next((x.mesh for x in leaves if isinstance(x, Sharded)), None)
+    if mesh is None or not isinstance(mesh, Mesh):
+        return torch.tensor([0, 1])
+    return torch.tensor([mesh.rank, mesh.world_size])
+
+
+def mine(owner: torch.Tensor, stamp: torch.Tensor) -> bool:
+    """Whether the errors stamped ``owner`` are this rank's (``stamp``)."""
+    return owner.shape == stamp.shape and bool(torch.equal(owner.cpu(), stamp))
 
 
 def _empty_errors(params: Any) -> Any:
@@ -223,7 +250,8 @@ def scale_by_onebit_adam(
         leaves, spec = flatten(params, "params")
         mu = optree.tree_unflatten(spec, [zeros_like_state(x, torch.float32) for x in leaves])
         nu = optree.tree_unflatten(spec, [zeros_like_state(x, torch.float32) for x in leaves])
-        return OnebitAdamState(new_count(), mu, nu, _empty_errors(params), _empty_errors(params))
+        return OnebitAdamState(new_count(), mu, nu, _empty_errors(params), _empty_errors(params),
+                               owner_stamp(params))  # fmt: skip
 
     def update(grads: Any, state: OnebitAdamState, params: Any = None) -> tuple[Any, Any]:
         expect_state(state, OnebitAdamState, what=what)
@@ -231,6 +259,9 @@ def scale_by_onebit_adam(
         nus = [local(x) for x in flatten(state.nu, "state.nu")[0]]
         workers = flatten(state.worker_error, "state.worker_error")[0]
         servers = flatten(state.server_error, "state.server_error")[0]
+        stamp = owner_stamp(grads)
+        if not mine(state.owner, stamp):  # another rank's errors (a restored checkpoint)
+            workers = servers = [torch.zeros(0, device=w.device) for w in workers]
         meshes = [g.mesh for g in gs]
         t = int(state.count) + 1
         mu_l = [local(m) for m in mus]
@@ -259,6 +290,7 @@ def scale_by_onebit_adam(
             _build(spec, nus, mus),
             optree.tree_unflatten(spec, workers),
             optree.tree_unflatten(spec, servers),
+            stamp,
         )
         return _build(spec, u, mus), new
 

@@ -46,7 +46,9 @@ from ._onebit import (
     _masks,
     _psum_flat,
     _settings,
+    mine,
     own_gradients,
+    owner_stamp,
 )
 from ._transforms import scale_by_learning_rate
 
@@ -61,7 +63,8 @@ class OnebitLambState(NamedTuple):
     the last compressed step's scaling of it, and ``scaling``, what makes the
     momenta's RMS equal before they are compressed as one buffer (set at the
     first compressed step); and this rank's errors of that buffer (1-d,
-    empty until the freeze)."""
+    empty until the freeze), stamped with their ``owner`` as in
+    :class:`~shardax.optim._onebit.OnebitAdamState`."""
 
     count: torch.Tensor
     mu: Any
@@ -72,6 +75,7 @@ class OnebitLambState(NamedTuple):
     scaling: Any
     worker_error: torch.Tensor
     server_error: torch.Tensor
+    owner: torch.Tensor
 
 
 def _norms(tensors: list[torch.Tensor], like: list) -> list[torch.Tensor]:
@@ -222,7 +226,8 @@ def scale_by_onebit_lamb(
 
         empty = torch.zeros(0, device=local(leaves[0]).device if leaves else None)
         return OnebitLambState(new_count(), moment(), moment(), moment(), scalar(0.0),
-                               scalar(1.0), scalar(0.0), empty, empty)  # fmt: skip
+                               scalar(1.0), scalar(0.0), empty, empty,
+                               owner_stamp(params))  # fmt: skip
 
     def update(grads: Any, state: OnebitLambState, params: Any = None) -> tuple[Any, Any]:
         expect_state(state, OnebitLambState, what=what)
@@ -245,6 +250,9 @@ def scale_by_onebit_lamb(
         fields = ("nu", "fresh", "coeff", "factor", "scaling")
         st = {f: flat.same(getattr(state, f), f"state.{f}") for f in fields}
         st.update(mu=flat.locals, worker=state.worker_error, server=state.server_error)
+        stamp = owner_stamp(grads)
+        if not mine(state.owner, stamp):  # another rank's errors (a restored checkpoint)
+            st.update(worker=state.worker_error.new_zeros(0), server=state.server_error.new_zeros(0))
         t = int(state.count) + 1
         masks = _masks(momentum_mask, grads, mus, what)
         if t <= freeze_step:
@@ -254,7 +262,7 @@ def scale_by_onebit_lamb(
         plain = [torch.empty(())] * len(mus)  # the 0-d values are plain tensors
         trees = [_build(spec, st[f], mus if f in ("nu", "fresh") else plain) for f in fields]
         mu = _build(spec, st["mu"], mus)
-        new = OnebitLambState(state.count + 1, mu, *trees, st["worker"], st["server"])
+        new = OnebitLambState(state.count + 1, mu, *trees, st["worker"], st["server"], stamp)
         return _build(spec, u, mus), new
 
     return transformation(init, update, own_none=True)

@@ -16,6 +16,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -728,3 +729,41 @@ def test_onebit_lamb_refuses_what_it_cannot_compress_as_one_buffer():
     summed = sx.Sharded(torch.ones(2), Layout(mesh, P()), (2,))
     with pytest.raises(ShardingError, match=r"gradient 'b' .*already summed"):
         opt.update({"b": summed, "w": grad}, state, params)
+
+
+def restored_ranks(which: str) -> tuple[bool, bool]:
+    """After 1-bit steps: an update from a state stamped with another rank
+    (as a restored checkpoint's, which keeps rank 0's plain tensors) equals
+    one from empty errors; from this rank's own state it does not."""
+    mesh = sx.Mesh({"dp": -1})
+    params = {"w": sx.shard(torch.linspace(-1, 1, 40).reshape(5, 8), mesh, P())}
+    make = {"adam": sx.optim.onebit_adam, "lamb": sx.optim.onebit_lamb}[which]
+    opt = make(0.01, freeze_step=1)
+    state = opt.init(params)
+    g = torch.Generator().manual_seed(mesh.rank)
+    for _ in range(4):
+        grads = {
+            "w": sx.Sharded(torch.randn(5, 8, generator=g), Layout(mesh, P(), partial="dp"), (5, 8))
+        }
+        _, state = opt.update(grads, state, params)
+    inner = state[0]  # chain(core, ...): the core's state first
+    other = inner._replace(owner=torch.tensor([1 - mesh.rank, 2]))
+    empty = optree.tree_map(lambda e: e.new_zeros(0), (inner.worker_error, inner.server_error))
+    fresh = inner._replace(worker_error=empty[0], server_error=empty[1])
+
+    def update(core_state):
+        return opt.update(grads, (core_state, *state[1:]), params)[0]["w"].local
+
+    return torch.equal(update(other), update(fresh)), torch.equal(update(inner), update(fresh))
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("which", ["adam", "lamb"])
+def test_a_restored_state_starts_from_zero_errors(which):
+    """The compression errors are each rank's own; a checkpoint keeps rank
+    0's plain tensors. A rank whose state is stamped with another rank's
+    ``owner`` drops them and starts from zero errors (DeepSpeed resets
+    them when it loads a checkpoint), while its own errors do change the
+    update."""
+    for reset, own in run_ranks(restored_ranks, which, world_size=2):
+        assert reset and not own
