@@ -21,6 +21,7 @@ from ._hjson import (
     _unknown,
     parse,
 )
+from ._makers import build_optimizer, build_schedule
 from ._sections import (
     _RENAMES,
     _SECTIONS,
@@ -264,33 +265,7 @@ class RunConfig:
 
     def make_schedule(self) -> Callable[[int], float]:
         """The learning rate at each step (0-based)."""
-        from .. import optim
-
-        s, peak = self.schedule, self.optimizer.lr
-        total = s.total_steps or self.steps
-        if s.type == "constant":
-            return optim.constant_schedule(peak)
-        if s.type == "one_cycle":
-            return optim.one_cycle_schedule(
-                peak, total, pct_start=s.pct_start, div_factor=s.div_factor,
-                final_div_factor=s.final_div_factor,
-            )  # fmt: skip
-        if s.type == "one_cycle_linear":
-            from ..optim._schedules import one_cycle_linear_schedule
-
-            return one_cycle_linear_schedule(
-                s.init_lr, peak, s.up_steps, s.down_steps, decay_rate=s.decay_rate,
-                decay_steps=s.decay_steps, up_stairs=s.up_stairs, down_stairs=s.down_stairs,
-            )  # fmt: skip
-        if s.warmup == "linear" and s.type == "warmup_cosine" and not s.deepspeed:
-            return optim.warmup_cosine_decay_schedule(
-                peak, s.warmup_steps, total, init_value=s.init_lr, end_value=s.end_lr
-            )
-        if s.warmup == "linear" and s.type == "warmup_linear" and not s.deepspeed:
-            return optim.warmup_linear_decay_schedule(
-                peak, s.warmup_steps, total, init_value=s.init_lr, end_value=s.end_lr
-            )
-        return _warmup_then(s, peak, total)
+        return build_schedule(self.schedule, self.optimizer.lr, self.steps)
 
     def make_optimizer(self, accumulation: int = 1, *, clip: bool = True) -> Any:
         """The optimizer on :meth:`make_schedule`: clipping first (``clip``),
@@ -300,28 +275,7 @@ class RunConfig:
         Under a pipeline (``parallel.pp``) each rank holds its stages'
         gradients only: clip them with ``pipeline.clip_by_global_norm``
         (the whole model's norm) and pass ``clip=False``."""
-        from .. import optim
-
-        if clip and self.parallel.pp is not None and self.optimizer.clip_global_norm:
-            raise ConfigError(
-                "optimizer.clip_global_norm under parallel.pp: an optimizer sees one rank's "
-                "stages; clip with shardax.pipeline.clip_by_global_norm (the whole model's "
-                "norm) and make the optimizer with make_optimizer(clip=False)"
-            )
-
-        o = self.optimizer
-        if self.unreduced_axes:  # 1-bit: it averages (and clips) the gradients itself
-            opt = _onebit(o, self.make_schedule(), self.unreduced_axes, clip)
-        else:
-            opt = _optimizer(o, self.make_schedule())
-        if o.clip_global_norm and not self.unreduced_axes:  # unclipped, its place kept
-            clipping = optim.clip_by_global_norm(o.clip_global_norm) if clip else optim.identity()
-            opt = optim.chain(clipping, opt)
-        if self.precision.params != "fp32" and self.precision.master_weights:
-            opt = optim.with_master_weights(opt)
-        if accumulation > 1:
-            opt = optim.MultiSteps(opt, accumulation)
-        return opt
+        return build_optimizer(self, accumulation, clip)
 
     @property
     def unreduced_axes(self) -> tuple[str, ...]:
@@ -481,45 +435,6 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
     )
 
 
-def _optimizer(o: OptimizerConfig, lr: Callable[[int], float]) -> Any:
-    """The optimizer ``o`` names, on the schedule ``lr``."""
-    from .. import optim
-
-    b1, b2 = o.betas
-    adam = {"b1": b1, "b2": b2, "eps": o.eps, "weight_decay": o.weight_decay}
-    if not o.bias_correction:  # FusedAdam's bias_correction=False
-        adam["bias_correction"] = False
-    makers: dict[str, Callable[[], Any]] = {
-        "adamw": lambda: optim.adamw(lr, **adam),
-        "adam": lambda: optim.adam(lr, **adam),
-        "lion": lambda: optim.lion(lr, b1=b1, b2=b2, weight_decay=o.weight_decay),
-        "sgd": lambda: optim.sgd(lr, momentum=o.momentum, weight_decay=o.weight_decay),
-        "adagrad": lambda: optim.adagrad(lr, eps=o.eps, weight_decay=o.weight_decay),
-        "rmsprop": lambda: optim.rmsprop(
-            lr, eps=o.eps, weight_decay=o.weight_decay, momentum=o.momentum
-        ),
-        "lamb": lambda: optim.lamb(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
-    }
-    return makers[o.type]()
-
-
-def _onebit(
-    o: OptimizerConfig, lr: Callable[[int], float], axes: tuple[str, ...], clip: bool
-) -> Any:
-    """The 1-bit optimizer ``o`` names, averaging over ``axes``; it clips
-    the gradients itself (``clip_global_norm``, as DeepSpeed's
-    ``gradient_clipping`` with it)."""
-    from .. import optim
-
-    b1, b2 = o.betas
-    common = {"b1": b1, "b2": b2, "eps": o.eps, "weight_decay": o.weight_decay,
-              "freeze_step": o.freeze_step, "axis": axes,
-              "max_grad_norm": o.clip_global_norm if clip else None}  # fmt: skip
-    if o.type == "onebit_adam":
-        return optim.onebit_adam(lr, bias_correction=o.bias_correction, **common)
-    return optim.onebit_lamb(lr, **common, **o.lamb)
-
-
 def _input_cast(params: str | None) -> Callable[[Any], Any]:
     """The cast of ``make_input_cast`` to the dtype of ``params`` (None: no cast)."""
     if params is None:
@@ -576,45 +491,6 @@ def _memory_lines(m: MemoryConfig) -> list[str]:
         if kind is not None:
             parts.append(f"{what} in {kind}")
     return [f"memory: {'; '.join(parts)}"] if parts else []
-
-
-def _warmup_then(s: ScheduleConfig, peak: float, total: int) -> Callable[[int], float]:
-    """Warmup (linear or log) to ``peak``, then constant, cosine or linear
-    decay to ``end_lr`` at ``total``; with ``deepspeed``, as DeepSpeed's
-    WarmupLR, WarmupDecayLR and WarmupCosineLR step it."""
-    if s.deepspeed:
-        return _deepspeed_warmup(s, peak, total)
-    warm, init, end = s.warmup_steps, s.init_lr, s.end_lr
-    if s.type != "warmup_constant" and not total > warm:
-        raise ConfigError(f"schedule.total_steps ({total}) must exceed warmup_steps ({warm})")
-
-    def schedule(step: int) -> float:
-        if step < warm:
-            f = math.log(step + 1) / math.log(warm + 1) if s.warmup == "log" else step / warm
-            return init + (peak - init) * f
-        if s.type == "warmup_constant":
-            return peak
-        f = min(1.0, (step - warm) / (total - warm))
-        if s.type == "warmup_cosine":
-            return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * f))
-        return peak + (end - peak) * f
-
-    return schedule
-
-
-def _deepspeed_warmup(s: ScheduleConfig, peak: float, total: int) -> Callable[[int], float]:
-    """``warmup_constant``, ``warmup_linear``, ``warmup_cosine`` as DeepSpeed's
-    WarmupLR, WarmupDecayLR, WarmupCosineLR compute them, update by update."""
-    from ..optim._schedules import deepspeed_warmup, deepspeed_warmup_cosine
-
-    if s.type == "warmup_cosine":  # DeepSpeed's ratios of the optimizer's lr
-        return deepspeed_warmup_cosine(
-            peak, s.warmup_steps, total, init_ratio=s.init_lr / peak, end_ratio=s.end_lr / peak,
-            warmup=s.warmup,
-        )  # fmt: skip
-    decay = total if s.type == "warmup_linear" else None
-    return deepspeed_warmup(s.init_lr, peak, s.warmup_steps, decay, end_value=s.end_lr,
-                            warmup=s.warmup)  # fmt: skip
 
 
 def _check_pipeline(config: RunConfig) -> None:

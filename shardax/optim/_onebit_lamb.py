@@ -252,7 +252,9 @@ def scale_by_onebit_lamb(
         st.update(mu=flat.locals, worker=state.worker_error, server=state.server_error)
         stamp = owner_stamp(grads)
         if not mine(state.owner, stamp):  # another rank's errors (a restored checkpoint)
-            st.update(worker=state.worker_error.new_zeros(0), server=state.server_error.new_zeros(0))
+            st.update(
+                worker=state.worker_error.new_zeros(0), server=state.server_error.new_zeros(0)
+            )
         t = int(state.count) + 1
         masks = _masks(momentum_mask, grads, mus, what)
         if t <= freeze_step:
