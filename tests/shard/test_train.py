@@ -15,6 +15,7 @@ from _zero_net import (
     WD,
     Block,
     Net,
+    assert_matches,
     batch,
     reference,
     traced_adamw_steps,
@@ -181,12 +182,7 @@ def test_hybrid_sharding_matches_pytorch(stage, world_size):
         want[("all_gather", ("fsdp",))] = 2 * size
     runs = run_ranks(hsdp_ranks, stage, 5, world_size=world_size)
     for losses, grads, params, layout, moved in runs:
-        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-        for g, rg in zip(grads, ref_grads, strict=True):
-            for k in rg:
-                torch.testing.assert_close(g[k], rg[k], rtol=1e-5, atol=1e-6, msg=k)
-        for k in ref_params:
-            torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-5, msg=k)
+        assert_matches(losses, grads, params, ref_losses, ref_grads, ref_params)
         assert layout["blocks.0.up.weight"] == (P("fsdp") if stage == 3 else P(), P("fsdp"))
         assert moved == [want] * 5
 

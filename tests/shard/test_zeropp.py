@@ -11,7 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_ranks
-from _zero_net import BETAS, EPS, LR, WD, Net, batch, reference, traced_adamw_steps
+from _zero_net import (
+    BETAS,
+    EPS,
+    LR,
+    WD,
+    Net,
+    assert_matches,
+    batch,
+    reference,
+    traced_adamw_steps,
+)
 
 import shardax as sx
 from shardax.errors import ShardingError
@@ -102,12 +112,7 @@ ALL = [path for unit in UNITS for path in unit]
 
 def _close(runs, ref_losses, ref_grads, ref_params):
     for losses, grads, params, _, _ in runs:
-        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-        for g, rg in zip(grads, ref_grads, strict=True):
-            for k in rg:
-                torch.testing.assert_close(g[k], rg[k], rtol=1e-5, atol=1e-6, msg=k)
-        for k in ref_params:
-            torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-5, msg=k)
+        assert_matches(losses, grads, params, ref_losses, ref_grads, ref_params)
 
 
 @pytest.mark.parametrize("world_size", [4])
