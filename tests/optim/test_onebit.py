@@ -524,13 +524,16 @@ def test_onebit_adam_trains_like_adamw():
 # -- 1-bit LAMB ------------------------------------------------------------------------
 
 
-def lamb_ranks(steps: int, freeze: int, wd: float, make_batch=batch) -> dict:
+def lamb_ranks(
+    steps: int, freeze: int, wd: float, make_batch=batch, clip: float | None = None
+) -> dict:
     """1-bit LAMB on dp ranks, gradients as :func:`adam_ranks` makes them."""
     mesh = sx.Mesh({"dp": -1})
     n, i = mesh.size("dp"), mesh.axis_index("dp")
     model, dense = first_params()
     params = {k: sx.Sharded(v, Layout(mesh, P()), v.shape) for k, v in dense.items()}
-    opt = sx.optim.onebit_lamb(LR, BETAS[0], BETAS[1], EPS, wd, freeze_step=freeze)
+    opt = sx.optim.onebit_lamb(LR, BETAS[0], BETAS[1], EPS, wd, freeze_step=freeze,
+                               max_grad_norm=clip)  # fmt: skip
     state = opt.init(params)
     out: dict = {"params": [], "bytes": []}
     for step in range(steps):
@@ -554,7 +557,9 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
 
 
 @one_thread()
-def simulate_lamb(steps: int, freeze: int, world: int, wd: float) -> list[dict]:
+def simulate_lamb(
+    steps: int, freeze: int, world: int, wd: float, clip: float | None = None
+) -> list[dict]:
     """DeepSpeed's OnebitLamb on one process, written plainly: LAMB on the
     summed contributions until the freeze, its trust ratios averaged; then
     every rank's momenta scaled to one RMS, compressed as one flat buffer by
@@ -577,9 +582,13 @@ def simulate_lamb(steps: int, freeze: int, world: int, wd: float) -> list[dict]:
             {k: g / world for k, g in local_grads(model, p, x[s], y[s])[1].items()} for s in mine
         ]
         t, new = step + 1, {}
+        summed = {k: sum(c[k] for c in contributions) for k in keys}
+        own = [{k: c[k] * world for k in keys} for c in contributions]
+        if clip is not None:  # the summed gradient by its norm; then each rank's own by its own
+            summed, *own = [_clip(g, clip) for g in (summed, *own)]
         if t <= freeze:
             for k in keys:
-                g = sum(c[k] for c in contributions)
+                g = summed[k]
                 mu[k] = mu[k].lerp(g, 1 - b1)
                 nu[k] = nu[k].mul(b2).addcmul_(g, g, value=1 - b2)
                 if t == freeze:
@@ -596,8 +605,8 @@ def simulate_lamb(steps: int, freeze: int, world: int, wd: float) -> list[dict]:
                 united = sum(rms[k] for k in keys) / len(keys)
                 scaling = {k: united / rms[k] for k in keys}
             rows = []  # each rank's momenta, scaled, as one flat buffer
-            for c in contributions:
-                scaled = [mu[k].lerp(c[k] * world, 1 - b1) * scaling[k] for k in keys]
+            for o in own:
+                scaled = [mu[k].lerp(o[k], 1 - b1) * scaling[k] for k in keys]
                 rows.append(torch.cat([m.reshape(-1) for m in scaled]))
             mean, workers, servers = simulate_pmean(rows, workers, servers)
             pieces = dict(zip(keys, mean.split([mu[k].numel() for k in keys]), strict=True))
@@ -644,6 +653,25 @@ def test_onebit_lamb_matches_the_simulation(wd):
                     ("all_to_all", ("dp",)): packed,
                     ("all_gather", ("dp",)): packed,
                 }
+
+
+@pytest.mark.world_size(2)
+def test_onebit_lamb_clips_as_deepspeed():
+    """``max_grad_norm`` in 1-bit LAMB: the summed gradient during the
+    warm-up, each rank's own after it; nine steps equal the simulation that
+    clips so, and differ from the unclipped one."""
+    results = run_ranks(lamb_ranks, STEPS, FREEZE, WD, batch, 0.5, world_size=2)
+    simulated = simulate_lamb(STEPS, FREEZE, 2, WD, 0.5)
+    unclipped = simulate_lamb(STEPS, FREEZE, 2, WD)
+    for got in results:
+        for step in range(STEPS):
+            for k, want in simulated[step].items():
+                at = f"{k} step {step + 1}"
+                torch.testing.assert_close(got["params"][step][k], want, rtol=1e-5, atol=1e-5, msg=at)  # fmt: skip
+    assert any(
+        not torch.allclose(simulated[-1][k], unclipped[-1][k], rtol=1e-4, atol=1e-6)
+        for k in unclipped[-1]
+    )
 
 
 def lamb_train_ranks(steps: int, freeze: int) -> dict:
