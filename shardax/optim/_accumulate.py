@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..errors import ShardingError
+from ..shard._sharded import Sharded
 from ._base import (
     Flat,
     GradientTransformation,
@@ -14,6 +16,7 @@ from ._base import (
     expect_state,
     foreach,
     is_sharded,
+    local,
     new_count,
     new_counts,
     read_steps,
@@ -102,7 +105,14 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         view = state.acc_grads if found is None else found.cut(state.acc_grads)
         flat = Flat(view, "state.acc_grads")
         acc = flat.locals
-        g = cast(flat.align(updates, "updates"), acc)
+        kept = flat.align_partial(updates, "updates")  # each rank's own, for the 1-bit optimizers
+        if kept is not None and found is not None:
+            raise ShardingError(
+                "MultiSteps: gradients left partial (value_and_grad(unreduced=...)) with leaves "
+                "that got no gradient this micro-step: the partial sums of those leaves would be "
+                "mixed with whole ones; give every leaf a gradient (leave frozen ones out)"
+            )
+        g = cast(flat.align(updates, "updates") if kept is None else [local(x) for x in kept], acc)
         acc = foreach(lambda a, g: torch._foreach_add(a, g), acc, g)
         counted = flat.same(
             counts_tree if found is None else found.cut(counts_tree), "state.acc_count"
@@ -124,6 +134,11 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         stepped = read_steps(whole.same(acc_count, "state.acc_count"))
         mean = foreach(lambda a: torch._foreach_div(a, float(every_k)), whole.locals)
         grads = whole.build(mean)
+        if kept is not None:  # still each rank's own sums, partial as they came
+            grads = optree.tree_unflatten(whole.spec, [
+                Sharded(m, x.layout, x.shape) if isinstance(x, Sharded) else m
+                for m, x in zip(mean, kept, strict=True)
+            ])  # fmt: skip
         if not all(stepped):  # a leaf no micro-step gave a gradient: None to inner
             leaves, spec = optree.tree_flatten(grads, none_is_leaf=True)
             it = iter(stepped)

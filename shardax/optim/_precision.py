@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ..shard._layout import Layout
 from ..shard._memory import allocate, is_disk, release
 from ..shard._placement import memory_kind
 from ..shard._sharded import Sharded
@@ -126,20 +125,14 @@ def with_master_weights(
 def _cast_gradients(flat: Flat, updates: Any, dtype: torch.dtype) -> Any:
     """``updates`` cast to ``dtype`` in the layouts of ``flat``'s leaves —
     keeping the partial axes of gradients left partial
-    (``value_and_grad(unreduced=...)``, for the 1-bit optimizers, which sum
-    them themselves): relaying them to the master's layout would sum them."""
-    leaves, spec = flatten(updates, "updates")
-    if spec != flat.spec or not any(isinstance(g, Sharded) and g.partial for g in leaves):
+    (:meth:`Flat.align_partial`): relaying them would sum them."""
+    kept = flat.align_partial(updates, "updates")
+    if kept is None:
         return flat.build([g.to(dtype) for g in flat.align(updates, "updates")])
-    out = []
-    for g, ref in zip(leaves, flat.leaves, strict=True):
-        if isinstance(g, Sharded) and isinstance(ref, Sharded):
-            target = Layout(ref.layout.sharding, partial=g.partial)
-            g = g if g.layout == target else transfer(g, target)
-            out.append(Sharded(g.local.to(dtype), target, g.shape))
-        else:
-            out.append((g.local if isinstance(g, Sharded) else g).to(dtype))
-    return optree.tree_unflatten(spec, out)
+    cast = [
+        x.with_local(x.local.to(dtype)) if isinstance(x, Sharded) else x.to(dtype) for x in kept
+    ]
+    return optree.tree_unflatten(flat.spec, cast)
 
 
 # -- dynamic loss scaling ------------------------------------------------------------

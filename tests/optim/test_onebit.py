@@ -795,3 +795,31 @@ def test_a_restored_state_starts_from_zero_errors(which):
     update."""
     for reset, own in run_ranks(restored_ranks, which, world_size=2):
         assert reset and not own
+
+
+def accumulated_ranks() -> bool:
+    """``MultiSteps`` over 1-bit Adam: the micro-steps' partial gradients
+    summed on each rank, still partial, equal one step of their mean."""
+    mesh = sx.Mesh({"dp": -1})
+    params = {"w": sx.shard(torch.linspace(-1, 1, 12).reshape(3, 4), mesh, P())}
+    g = torch.Generator().manual_seed(mesh.rank)
+    partial = Layout(mesh, P(), partial="dp")
+    micro = [[torch.randn(3, 4, generator=g) for _ in range(2)] for _ in range(4)]
+    many = sx.optim.MultiSteps(sx.optim.onebit_adam(0.01, freeze_step=2), 2)
+    one = sx.optim.onebit_adam(0.01, freeze_step=2)
+    s_many, s_one, p_many, p_one = many.init(params), one.init(params), params, params
+    for a, b in micro:
+        for x in (a, b):
+            u, s_many = many.update({"w": sx.Sharded(x, partial, (3, 4))}, s_many, p_many)
+            p_many = sx.optim.apply_updates(p_many, u)
+        u, s_one = one.update({"w": sx.Sharded((a + b) / 2, partial, (3, 4))}, s_one, p_one)
+        p_one = sx.optim.apply_updates(p_one, u)
+    return torch.allclose(p_many["w"].local, p_one["w"].local, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.world_size(2)
+def test_gradient_accumulation_keeps_the_gradients_partial():
+    """Accumulated over micro-steps (``MultiSteps``, a run config's
+    ``batch.accumulation``), each rank's own gradients stay partial for 1-bit
+    Adam, through its warm-up and its compressed steps."""
+    assert run_ranks(accumulated_ranks, world_size=2) == [True, True]
