@@ -24,6 +24,7 @@ from ._base import (
     zeros_like_state,
 )
 from ._gradless import gradless
+from ._partial import align_partial
 from ._wrappers import zeros_like_updates
 
 __all__ = ["MultiStepsState", "MultiSteps"]
@@ -105,7 +106,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         view = state.acc_grads if found is None else found.cut(state.acc_grads)
         flat = Flat(view, "state.acc_grads")
         acc = flat.locals
-        kept = flat.align_partial(updates, "updates")  # each rank's own, for the 1-bit optimizers
+        kept = align_partial(flat, updates, "updates")  # each rank's own, for the 1-bit optimizers
         if kept is not None and found is not None:
             raise ShardingError(
                 "MultiSteps: gradients left partial (value_and_grad(unreduced=...)) with leaves "

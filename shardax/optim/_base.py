@@ -16,7 +16,6 @@ import torch
 
 from .._tree import flatten_with_paths
 from ..errors import ShardingError
-from ..shard._layout import Layout
 from ..shard._memory import allocate
 from ..shard._placement import memory_kind, role_layout
 from ..shard._sharded import Sharded
@@ -381,24 +380,6 @@ class Flat:
         else:
             for i, x, layout in moves:
                 out[i] = transfer(x, layout)
-        return out
-
-    def align_partial(self, tree: Any, what: str) -> list[Leaf] | None:
-        """``tree``'s leaves in the shardings of the leaves here, those left
-        partial (``value_and_grad(unreduced=...)``: each rank's own
-        contribution, for the 1-bit optimizers) still partial — relaying
-        them to the layouts here would sum them; None where none is
-        partial (:meth:`align_leaves` then)."""
-        leaves, spec = flatten(tree, what)
-        if spec != self.spec or not any(isinstance(x, Sharded) and x.partial for x in leaves):
-            return None
-        out: list[Leaf] = []
-        for x, ref in zip(leaves, self.leaves, strict=True):
-            if isinstance(x, Sharded) and isinstance(ref, Sharded):
-                target = Layout(ref.layout.sharding, partial=x.partial)
-                out.append(x if x.layout == target else transfer(x, target))
-            else:
-                out.append(x.local if isinstance(x, Sharded) else x)
         return out
 
     def align(self, tree: Any, what: str) -> list[torch.Tensor]:

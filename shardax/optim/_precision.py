@@ -27,6 +27,7 @@ from ._base import (
 )
 from ._gradless import gradless
 from ._norms import all_finite
+from ._partial import align_partial
 
 __all__ = ["DynamicLossScale", "MasterWeightsState", "with_master_weights"]
 
@@ -125,8 +126,8 @@ def with_master_weights(
 def _cast_gradients(flat: Flat, updates: Any, dtype: torch.dtype) -> Any:
     """``updates`` cast to ``dtype`` in the layouts of ``flat``'s leaves —
     keeping the partial axes of gradients left partial
-    (:meth:`Flat.align_partial`): relaying them would sum them."""
-    kept = flat.align_partial(updates, "updates")
+    (:func:`~shardax.optim._partial.align_partial`): relaying them would sum them."""
+    kept = align_partial(flat, updates, "updates")
     if kept is None:
         return flat.build([g.to(dtype) for g in flat.align(updates, "updates")])
     cast = [
