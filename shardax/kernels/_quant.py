@@ -115,6 +115,15 @@ def _native() -> Any:
     return lib
 
 
+def _call(lib: Any, name: str, *args: Any) -> None:
+    """The native kernel ``sx_<name>`` on ``args``, at torch's thread count;
+    a kernel refusing its arguments is an error, never garbage."""
+    lib.sx_quant_threads(torch.get_num_threads())
+    code = getattr(lib, f"sx_{name}")(*args)
+    if code != 0:
+        raise RuntimeError(f"the native {name} kernel refused its arguments ({code})")
+
+
 def _cuda_kernels() -> Any:
     try:
         import cupy  # noqa: F401
@@ -142,11 +151,8 @@ def quantize_int8(
     flat = x.reshape(-1)
     if x.device.type == "cpu" and n and (lib := _native()) is not None:
         flat = flat.contiguous()
-        lib.sx_quant_threads(torch.get_num_threads())
-        code = lib.sx_quantize_int8(flat.data_ptr(), _DTYPES[x.dtype], n, BLOCK, q.data_ptr(),
-                                    scales.data_ptr())  # fmt: skip
-        if code != 0:
-            raise RuntimeError(f"the native quantize_int8 kernel refused its arguments ({code})")
+        _call(lib, "quantize_int8", flat.data_ptr(), _DTYPES[x.dtype], n,
+              BLOCK, q.data_ptr(), scales.data_ptr())  # fmt: skip
         return q, scales
     cuda = _cuda_kernels() if x.device.type == "cuda" else None
     made = cuda.quantize_int8(flat) if cuda is not None else quantize_int8_reference(flat)
@@ -181,11 +187,8 @@ def dequantize_int8(
         raise ValueError(f"dequantize_int8 of {n} elements writes {n}; out has {out.numel()}")
     if q.device.type == "cpu" and n and out.is_contiguous() and (lib := _native()) is not None:
         q, scales = q.contiguous(), scales.contiguous()
-        lib.sx_quant_threads(torch.get_num_threads())
-        code = lib.sx_dequantize_int8(q.data_ptr(), scales.data_ptr(), n, BLOCK, out.data_ptr(),
-                                      _DTYPES[dtype])  # fmt: skip
-        if code != 0:
-            raise RuntimeError(f"the native dequantize_int8 kernel refused its arguments ({code})")
+        _call(lib, "dequantize_int8", q.data_ptr(), scales.data_ptr(), n,
+              BLOCK, out.data_ptr(), _DTYPES[dtype])  # fmt: skip
         return out
     cuda = _cuda_kernels() if q.device.type == "cuda" else None
     flat = q.reshape(-1)
@@ -266,11 +269,8 @@ def quantize_int4(
         and (lib := _native()) is not None
     ):
         flat = flat.contiguous()
-        lib.sx_quant_threads(torch.get_num_threads())
-        code = lib.sx_quantize_int4(flat.data_ptr(), _DTYPES[x.dtype], n, BLOCK, q.data_ptr(),
-                                    scales.data_ptr())  # fmt: skip
-        if code != 0:
-            raise RuntimeError(f"the native quantize_int4 kernel refused its arguments ({code})")
+        _call(lib, "quantize_int4", flat.data_ptr(), _DTYPES[x.dtype], n,
+              BLOCK, q.data_ptr(), scales.data_ptr())  # fmt: skip
         return q, scales
     made = quantize_int4_reference(flat)
     q.copy_(made[0].view(q.shape))
@@ -312,11 +312,8 @@ def dequantize_int4(
     out = torch.empty(n, dtype=dtype, device=q.device) if out is None else out
     if q.device.type == "cpu" and n and out.is_contiguous() and (lib := _native()) is not None:
         q, scales = q.contiguous(), scales.contiguous()
-        lib.sx_quant_threads(torch.get_num_threads())
-        code = lib.sx_dequantize_int4(q.data_ptr(), scales.data_ptr(), n, BLOCK, out.data_ptr(),
-                                      _DTYPES[dtype])  # fmt: skip
-        if code != 0:
-            raise RuntimeError(f"the native dequantize_int4 kernel refused its arguments ({code})")
+        _call(lib, "dequantize_int4", q.data_ptr(), scales.data_ptr(), n,
+              BLOCK, out.data_ptr(), _DTYPES[dtype])  # fmt: skip
         return out
     made = dequantize_int4_reference(q, scales.reshape(-1), n, dtype)
     out.view(-1).copy_(made) if out.is_contiguous() else out.copy_(made.view(out.shape))

@@ -368,8 +368,9 @@ class Rules:
                 for role in offload.roles:
                     memory.setdefault(role, offload.kind)
         weights, secondary = "exact", None
-        params = self.spec_for(path, shape, mesh, "params") if len(shape) else P()
-        if params != compute.spec:  # gathered for compute: how (ZeRO++)
+        zeropp = any(o.quantize_weights or o.secondary for o in self.overs)
+        if zeropp and len(shape) and self.spec_for(path, shape, mesh, "params") != compute.spec:
+            # gathered for compute: how (ZeRO++)
             for over in self.overs:
                 if "params" in over.roles and over.matches(path):
                     weights = "int8" if over.quantize_weights else weights

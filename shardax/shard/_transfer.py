@@ -366,14 +366,7 @@ class Reducer:
         if not prog.ops:
             sink(grad)
             return
-        if across and isinstance(op, ReduceScatter):
-            if prog.view_in is not None:
-                grad = grad.reshape(prog.view_in)
-            if prog.view_out is not None:
-                sink = _reshaped(sink, prog.out_shape)
-            mesh = dst.mesh
-            self._bucket(grad, op, sink, (mesh, across))
-            return
+        int4 = (dst.mesh, across) if across and isinstance(op, ReduceScatter) else None
         hierarchical = _scatter_then_sum(prog)
         if hierarchical is not None:  # HSDP: each piece then summed over the replicas, bucketed too
             op, over = hierarchical
@@ -387,10 +380,10 @@ class Reducer:
             grad = grad.reshape(prog.view_in)
         if prog.view_out is not None:
             sink = _reshaped(sink, prog.out_shape)
-        if isinstance(op, ReduceScatter) and direct(grad, op):
+        if isinstance(op, ReduceScatter) and int4 is None and direct(grad, op):
             self._fly(start_psum_scatter_direct(grad, op, sink))
             return
-        self._bucket(grad, op, sink)
+        self._bucket(grad, op, sink, int4)
 
     def _bucket(self, grad: torch.Tensor, op: Any, sink: Sink, int4: Any = None) -> None:
         """``grad`` into the open bucket of ``op``'s kind, group and dtype
