@@ -540,12 +540,12 @@ def _dp_time(
     inside = tuple(a for a in config.data_axes if a != p.replicate)  # ZeRO's axes
     shard_link = _group_link(mesh, inside, cluster)
     shard = s.dp // s.replicas
+    node_link = _group_link(mesh, (p.zero_axis,), cluster)  # a node's ZeRO ranks (hpZ, qgZ)
     reduces = 1 if s.pp > 1 else s.micro_batches
     if zero <= 1:
         grads = collective_time("all_reduce", size, s.dp, data)
     elif p.quantize_grads:  # qgZ: int4 all-to-alls, within the node, then across
         int4 = elements * (0.5 + 4 / 256)
-        node_link = _group_link(mesh, (p.zero_axis,), cluster)
         grads = collective_time("all_to_all", int4, s.inner, node_link)
         grads += collective_time("all_to_all", int4 / s.inner, shard // s.inner, data)
     else:
@@ -560,7 +560,6 @@ def _dp_time(
             forward = collective_time("all_gather", elements * (1 + 4 / 256), shard, shard_link)
         backward = forward
         if p.secondary:  # hpZ: from the copy within the node
-            node_link = _group_link(mesh, (p.zero_axis,), cluster)
             backward = collective_time("all_gather", size, s.inner, node_link)
         gathers = (forward + backward + (remat > 0) * forward) * s.micro_batches
         return grads + gathers, grads + gathers
