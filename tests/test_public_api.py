@@ -320,6 +320,7 @@ SURFACE = {
         "warmup_linear_decay",
         "warmup_linear_decay_schedule",
         "with_master_weights",
+        "zero_one_adam",
     ],
     "shardax.data": ["Sampler", "TextDataset", "batches", "shard_batch", "shard_batches"],
     "shardax.errors": [

@@ -39,6 +39,7 @@ from ..shard._layout import Layout
 from ..shard._memory import allocate, as_piece_of, is_disk, kind_of, release, release_all
 from ..shard._sharded import Sharded
 from ..shard._spec import P
+from ..shard._transfer import transfer
 from ._format import (
     FORMAT,
     INDEX,
@@ -190,6 +191,8 @@ def plan(tree: Any, metadata: Mapping[str, Any] | None, *, rng: bool, copy: bool
             )
         views: dict[tuple[int, ...], torch.Tensor] = {}
         if isinstance(x, Sharded):
+            if x.layout.diverged:  # each rank's own copy: saved as their mean (collective)
+                x = transfer(x, x.layout.settled())
             boxes = _sharded_boxes(path, x, world)
             layout_mesh, spec, local = x.mesh.shape, x.spec, x.local
             # this rank's piece: one box, or one per block of a blocked dim
@@ -529,7 +532,9 @@ def save(
     a temporary sibling directory; rank 0 then writes ``index.json`` and
     renames the directory into place — a crash at any moment leaves the
     previous checkpoint or the complete new one. Plain tensors are taken to be
-    the same on every rank (rank 0's copy is written). With ``rng``, each
+    the same on every rank (rank 0's copy is written); a value diverged over
+    some axes (each rank's own copy: 0/1 Adam's local steps) is saved as
+    the ranks' mean, what its layout says it is. With ``rng``, each
     rank's RNG states (torch, CUDA, Python ``random``) are saved too; restore
     them with ``load(..., rng=True)``.
 

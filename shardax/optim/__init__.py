@@ -103,6 +103,7 @@ from ._wrappers import MaskedState as MaskedState
 from ._wrappers import apply_if_finite as apply_if_finite
 from ._wrappers import inject_hyperparams as inject_hyperparams
 from ._wrappers import masked as masked
+from ._zero_one import zero_one_adam as zero_one_adam
 
 __all__ = [
     "ApplyIfFiniteState",
@@ -173,4 +174,5 @@ __all__ = [
     "warmup_linear_decay",
     "warmup_linear_decay_schedule",
     "with_master_weights",
+    "zero_one_adam",
 ]

@@ -20,6 +20,7 @@ from ..shard._memory import allocate
 from ..shard._placement import memory_kind, role_layout
 from ..shard._sharded import Sharded
 from ..shard._transfer import transfer, transfer_many
+from ._diverged import diverging
 from ._gradless import gradless, keep_gradless
 
 __all__ = [
@@ -545,7 +546,8 @@ def apply_updates(params: Any, updates: Any, *, donate: bool = False) -> Any:
     params lose nothing). A Sharded update is first moved
     to its param's layout with :func:`shardax.transfer` — an all_gather when
     the optimizer ran on shards of replicated params (ZeRO-1/2) — and the
-    result keeps the param's layout (and placement).
+    result keeps the param's layout (and placement) — diverged over the axes
+    where the update is (each rank's own change: 0/1 Adam's local steps).
 
     A param whose update is None (its gradient was: a buffer, a frozen
     layer) is left as it is — the same tensor, whatever its dtype.
@@ -571,7 +573,7 @@ def apply_updates(params: Any, updates: Any, *, donate: bool = False) -> Any:
 
 def _apply(params: Any, updates: Any, donate: bool) -> Any:
     with torch.no_grad():
-        flat = Flat(params, "params")
+        flat = Flat(diverging(params, updates), "params")
         out = []
         for p, u in zip(flat.leaves, flat.align_leaves(updates, "updates"), strict=True):
             pl, ul = local(p), local(u)

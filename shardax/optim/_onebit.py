@@ -376,29 +376,41 @@ def _compressed(
     b1: float,
 ) -> tuple[list, list, list]:
     """The momenta after a compressed step: each rank's ``b1 m + (1 - b1) g_i``
-    with its own gradient ``g_i`` (``own``: ``world`` times its contribution), averaged
-    by ``onebit_pmean_many`` — all the leaves on one mesh in one all-to-all
-    and one all-gather, each with its own scales and errors — and the new
-    errors."""
-    mine, workers, servers = [], list(workers), list(servers)
+    with its own gradient ``g_i`` (``own``: ``world`` times its contribution),
+    averaged by :func:`compressed_mean`, and the new errors."""
+    mine = [m.lerp(x, 1.0 - b1) for m, x in zip(mu, own, strict=True)]
+    return compressed_mean(mine, [g.mesh for g in grads], workers, servers, axes)
+
+
+def compressed_mean(
+    tensors: list[torch.Tensor],
+    meshes: list[Mesh],
+    workers: list[torch.Tensor],
+    servers: list[torch.Tensor],
+    axes: tuple[str, ...],
+) -> tuple[list, list, list]:
+    """``(means, workers, servers)``: each rank's ``tensors`` averaged over
+    ``axes`` by ``onebit_pmean_many`` — all the leaves on one mesh in one
+    all-to-all and one all-gather, each with its own scales and errors
+    (empty errors start at zero) — and the new errors."""
+    workers, servers = list(workers), list(servers)
     groups: dict[int, list[int]] = {}
-    for i, (m, g, x) in enumerate(zip(mu, grads, own, strict=True)):
-        mine.append(m.lerp(x, 1.0 - b1))
-        if workers[i].numel() == 0 and mine[i].numel() > 0:  # the first compressed step
-            workers[i], servers[i] = onebit_errors(mine[i], axes, mesh=g.mesh)
-        groups.setdefault(id(g.mesh), []).append(i)
-    new_mu: list[Any] = [None] * len(mu)
+    for i, (t, mesh) in enumerate(zip(tensors, meshes, strict=True)):
+        if workers[i].numel() == 0 and t.numel() > 0:  # the first compressed step
+            workers[i], servers[i] = onebit_errors(t, axes, mesh=mesh)
+        groups.setdefault(id(mesh), []).append(i)
+    means: list[Any] = [None] * len(tensors)
     for idx in groups.values():
-        means, ws, ss = onebit_pmean_many(
-            [mine[i] for i in idx],
+        out, ws, ss = onebit_pmean_many(
+            [tensors[i] for i in idx],
             [workers[i] for i in idx],
             [servers[i] for i in idx],
             axes,
-            mesh=grads[idx[0]].mesh,
+            mesh=meshes[idx[0]],
         )
-        for i, m, w, s in zip(idx, means, ws, ss, strict=True):
-            new_mu[i], workers[i], servers[i] = m, w, s
-    return new_mu, workers, servers
+        for i, m, w, s in zip(idx, out, ws, ss, strict=True):
+            means[i], workers[i], servers[i] = m, w, s
+    return means, workers, servers
 
 
 def onebit_adam(

@@ -1,5 +1,5 @@
 """Layouts: a named sharding plus the mesh axes over which values are still
-partial sums."""
+partial sums, or differ from rank to rank (pending means)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,15 @@ __all__ = ["Layout", "as_layout"]
 @attrs.frozen(init=False, repr=False)
 class Layout:
     """Where a tensor's values live: each dim's mesh axes (the sharding), and
-    the axes over which the local values are pending sums (``partial``). Every
-    other axis holds identical replicas.
+    the axes over which the local values are pending sums (``partial``), and
+    those over which they are pending means (``diverged``). Every other axis
+    holds identical replicas.
+
+    A diverged value is one each rank of those axes has changed on its own —
+    the local copies of 0/1 Adam's local steps (:func:`shardax.optim.zero_one_adam`):
+    each rank computes with its own copy, and the whole value is their mean,
+    what :func:`shardax.transfer` to a layout without those axes gives (a
+    local scaling, then a psum). It never passes for a replica.
 
     Args:
         mesh_or_sharding: a mesh (then ``spec`` gives the sharding) or a
@@ -29,6 +36,8 @@ class Layout:
         spec: the partition spec (default: replicated).
         partial: axes over which the global value is the sum of the ranks'
             local values.
+        diverged: axes over which the global value is the mean of the
+            ranks' local values.
 
     >>> from shardax import AbstractMesh
     >>> mesh = AbstractMesh({"x": 2, "y": 2})
@@ -40,10 +49,13 @@ class Layout:
     Traceback (most recent call last):
     ...
     shardax.errors.ShardingError: axis 'x' cannot both split a dim and be partial in P('x') with partial=('x',) on AbstractMesh({'x': 2, 'y': 2})
+    >>> Layout(mesh, P("x"), diverged="y")
+    Layout(AbstractMesh({'x': 2, 'y': 2}), P('x'), diverged=('y',))
     """
 
     sharding: NamedSharding
     partial: tuple[str, ...]
+    diverged: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -51,6 +63,7 @@ class Layout:
         spec: PartitionSpec | Sequence[Any] | None = None,
         *,
         partial: str | Iterable[str] = (),
+        diverged: str | Iterable[str] = (),
     ) -> None:
         if isinstance(mesh_or_sharding, NamedSharding):
             if spec is not None:
@@ -70,8 +83,21 @@ class Layout:
                     f"axis {axis!r} cannot both split a dim and be partial in {sharding.spec!r} "
                     f"with partial={names!r} on {mesh!r}"
                 )
+        apart = normalize_axes(diverged)
+        for axis in apart:
+            if axis not in mesh.axis_names:
+                raise ShardingError(
+                    f"diverged axis {axis!r} is not an axis of {mesh!r} (its axes: "
+                    f"{mesh.axis_names!r})"
+                )
+            if axis in sharding.spec.axes or axis in names:
+                raise ShardingError(
+                    f"axis {axis!r} cannot both be diverged and "
+                    f"{'split a dim' if axis in sharding.spec.axes else 'be partial'} in "
+                    f"{sharding.spec!r} with partial={names!r} on {mesh!r}"
+                )
         ordered = tuple(a for a in mesh.axis_names if a in names)
-        self.__attrs_init__(sharding, ordered)
+        self.__attrs_init__(sharding, ordered, tuple(a for a in mesh.axis_names if a in apart))
 
     @property
     def mesh(self) -> AbstractMesh:
@@ -86,13 +112,20 @@ class Layout:
 
     @property
     def replicated(self) -> tuple[str, ...]:
-        """Axes that neither split a dim nor are partial, in mesh order."""
-        used = set(self.spec.axes) | set(self.partial)
+        """Axes that neither split a dim nor are partial or diverged, in mesh order."""
+        used = set(self.spec.axes) | set(self.partial) | set(self.diverged)
         return tuple(a for a in self.mesh.axis_names if a not in used)
 
     def dual(self) -> Layout:
-        """The layout of this layout's cotangents: same sharding, replicated ↔ partial."""
-        return Layout(self.sharding, partial=self.replicated)
+        """The layout of this layout's cotangents: same sharding, replicated ↔
+        partial (a diverged value's cotangents are partial too: each rank's
+        is for its own copy)."""
+        return Layout(self.sharding, partial=self.replicated + self.diverged)
+
+    def settled(self) -> Layout:
+        """This layout without its diverged axes (replicated over them): where
+        :func:`shardax.transfer` puts a diverged value's mean."""
+        return Layout(self.sharding, partial=self.partial) if self.diverged else self
 
     def local_bounds(self, global_shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...]:
         return self.sharding.local_bounds(global_shape, rank)
@@ -132,10 +165,13 @@ class Layout:
         """Blocked dims made two (see :meth:`NamedSharding.expand`); partial
         axes kept."""
         shape, sharding = self.sharding.expand(global_shape)
-        return shape, self if sharding is self.sharding else Layout(sharding, partial=self.partial)
+        if sharding is self.sharding:
+            return shape, self
+        return shape, Layout(sharding, partial=self.partial, diverged=self.diverged)
 
     def __repr__(self) -> str:
         tail = f", partial={self.partial!r}" if self.partial else ""
+        tail += f", diverged={self.diverged!r}" if self.diverged else ""
         return f"Layout({self.mesh!r}, {self.spec!r}{tail})"
 
 

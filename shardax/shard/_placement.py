@@ -257,7 +257,8 @@ def role_layout(x: Any, role: str) -> Layout:
     """The layout of ``x`` (a ``Sharded`` parameter) in ``role``: its own for
     ``"params"``; from its placement otherwise; without a placement (sharded by
     spec, not rules) compute is replicated and grads / opt_state follow the
-    params.
+    params. A param diverged over some axes (each rank's own copy) is
+    computed diverged there: every rank with the copy it holds.
 
     >>> import torch, shardax as sx
     >>> x = sx.shard(torch.ones(4), sx.Mesh({"dp": 1}), sx.P("dp"))
@@ -270,8 +271,21 @@ def role_layout(x: Any, role: str) -> Layout:
         return x.layout
     placement = getattr(x, "placement", None)
     if placement is None:
-        return Layout(x.mesh) if role == "compute" else x.layout
-    return getattr(placement, role)
+        layout = Layout(x.mesh) if role == "compute" else x.layout.settled()
+    else:
+        layout = getattr(placement, role)
+    diverged = x.layout.diverged
+    if role != "compute" or not diverged:
+        return layout
+    # Each rank computes with its own copy (0/1 Adam's local steps): the
+    # compute layout is diverged where the params are.
+    try:
+        return Layout(layout.sharding, partial=layout.partial, diverged=diverged)
+    except ShardingError as err:
+        raise ShardingError(
+            f"a param diverged over {diverged!r} ({x.layout!r}) cannot be computed "
+            f"{layout!r}: {err}. Transfer it to {x.layout.settled()!r} (the ranks' mean) first"
+        ) from None
 
 
 def memory_kind(x: Any, role: str) -> str:

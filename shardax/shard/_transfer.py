@@ -109,6 +109,44 @@ register_transpose(View, lambda op: View(op.group, op.after, op.before))
 
 
 @attrs.frozen
+class Scale(Op):
+    """This rank's piece times ``factor``: a diverged value's local copy
+    made its share of their mean (diverged → partial, ``1 / group size``).
+    Local; its own transpose."""
+
+    factor: float
+    name: ClassVar[str] = "scale"
+
+    def start(self, x: torch.Tensor) -> Handle:
+        return Handle.ready(x * self.factor)
+
+
+register_transpose(Scale, lambda op: op)
+
+
+def _settle(src: Layout, dst: Layout) -> tuple[Layout, Layout, tuple[str, ...]]:
+    """``(src', dst', mean)``: the layouts a plan moves between once the
+    axes over which ``src`` is diverged and ``dst`` is not (``mean``) are
+    made partial (after a :class:`Scale`), and the axes diverged in both are
+    left out (nothing moves over them: each rank keeps its own copy)."""
+    if not src.diverged and not dst.diverged:
+        return src, dst, ()
+    wrong = [a for a in dst.diverged if a not in src.diverged and a not in src.replicated]
+    if wrong:
+        raise ShardingError(
+            f"cannot transfer {src!r} to {dst!r}: a value becomes diverged over {wrong!r} only "
+            "from a replica there (each rank's copy its own), not from a split or a pending "
+            "sum; transfer it to a layout replicated over those axes first"
+        )
+    mean = tuple(a for a in src.diverged if a not in dst.diverged)
+    return (
+        Layout(src.sharding, partial=src.partial + mean),
+        Layout(dst.sharding, partial=dst.partial),
+        mean,
+    )
+
+
+@attrs.frozen
 class Program:
     """A plan compiled for this rank: ``ops``, the ops that move data, in
     order (an op over one rank moves nothing and is left out).
@@ -148,6 +186,12 @@ def _compile(src: Layout, dst: Layout, shape: tuple[int, ...], job: Any) -> Prog
     view (:func:`~shardax.shard._plan.legs`), with a local reshape into it
     and out of it around each leg."""
     ops: list[Op] = []
+    final = dst
+    src, dst, mean = _settle(src, dst)
+    if mean:
+        mesh = src.mesh
+        assert isinstance(mesh, Mesh)
+        ops.append(Scale(mesh.group(mean), 1.0 / mesh.group(mean).size))
     for a, b, a_x, b_x, view in legs(src, dst, shape):
         plan = plan_transfer(a_x, b_x, view)
         pairs = zip(plan.steps, plan.layouts[:-1], plan.layouts[1:], strict=True)
@@ -161,7 +205,7 @@ def _compile(src: Layout, dst: Layout, shape: tuple[int, ...], job: Any) -> Prog
             leg = [into, *leg, back]
         ops += leg
     moving = tuple(op for op in ops if op.group.size > 1)
-    out_shape = dst.local_shape(shape, dst.mesh.rank)  # type: ignore[attr-defined]
+    out_shape = final.local_shape(shape, final.mesh.rank)  # type: ignore[attr-defined]
     # The views split off: one collective between them fuses like any other
     # (a view is a free reshape of the same bytes).
     pre = moving[0] if moving and isinstance(moving[0], View) else None
