@@ -339,7 +339,8 @@ def test_onebit_optimizers_in_a_config_and_from_deepspeed():
     unreduced over the data axes (``unreduced_axes``), which the optimizer
     averages; ZeRO, pipelines and experts are refused by name. DeepSpeed's
     OneBitAdam converts with its arithmetic (no bias correction), OneBitLamb
-    with its settings, and ZeroOneAdam is refused by name."""
+    with its settings, and ZeroOneAdam with its policies (``var_freeze_step``
+    as ``freeze_step``, DeepSpeed's 100000 when it is not given)."""
     run = RunConfig.from_dict({"mesh": {"dp": 4}, "optimizer": {
         "type": "onebit_lamb", "freeze_step": 10, "lamb": {"max_coeff": 0.3}}})  # fmt: skip
     assert RunConfig.from_dict(run.to_dict()) == run and run.unreduced_axes == ("dp",)
@@ -377,8 +378,27 @@ def test_onebit_optimizers_in_a_config_and_from_deepspeed():
                                                            "factor_max": 2.0}}}  # fmt: skip
     data, _ = from_deepspeed(lamb)
     assert data["optimizer"]["lamb"] == {"max_coeff": 0.3, "factor_max": 2.0}
-    with pytest.raises(ConfigError, match="0/1 Adam's local steps between synchronisations"):
-        from_deepspeed({"optimizer": {"type": "ZeroOneAdam"}})
+    zero_one = {"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "var_freeze_step": 50,
+                "local_step_scaler": 100, "local_step_clipper": 8, "bias_correction": True}}}  # fmt: skip
+    data, unmapped = from_deepspeed(zero_one)
+    assert data["optimizer"] == {"type": "zero_one_adam", "bias_correction": False, "lr": 1e-3,
+                                 "freeze_step": 50, "zero_one": {"local_step_scaler": 100,
+                                                                 "local_step_clipper": 8}}  # fmt: skip
+    assert [k for k, _ in unmapped] == ["optimizer.params.bias_correction"]
+    run = RunConfig.from_dict(data)
+    assert run.unreduced_axes == ("dp",) and "local steps after the variance freezes" in run.plan(2)
+    run.make_optimizer()
+    data, _ = from_deepspeed({"optimizer": {"type": "ZeroOneAdam"}})
+    assert data["optimizer"]["freeze_step"] == 100000
+    with pytest.raises(ConfigError, match="zero_one_adam corrects neither moment's bias"):
+        RunConfig.from_dict({"optimizer": {"type": "zero_one_adam", "freeze_step": 3}})
+    with pytest.raises(ConfigError, match=r"zero_one \(0/1 Adam's variance and local-step"):
+        RunConfig.from_dict({"optimizer": {"type": "adamw", "zero_one": {"local_step_scaler": 2}}})
+    bad = {"type": "zero_one_adam", "freeze_step": 3, "bias_correction": False}
+    with pytest.raises(ConfigError, match=r"optimizer\.zero_one: unknown \['local_step'\]"):
+        RunConfig.from_dict({"optimizer": {**bad, "zero_one": {"local_step": 2}}})
+    with pytest.raises(ConfigError, match="ZeRO-0 only"):
+        RunConfig.from_dict({"parallel": {"zero": 2}, "optimizer": bad})
 
 
 @pytest.mark.parametrize("path", DS_FILES, ids=[p.stem for p in DS_FILES])

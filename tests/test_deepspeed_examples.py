@@ -49,15 +49,14 @@ EXAMPLES: dict[str, dict[str, int] | None] = {
     "training_data_efficiency_vit_finetuning_config_ds_config_cifar_random_ltd": {
         "data_efficiency": 23,
     },
-    # the 18 configs of DeepSpeed's 1-bit optimizers: OneBitAdam and OneBitLamb convert
+    # the 18 configs of DeepSpeed's 1-bit optimizers: OneBitAdam, OneBitLamb and ZeroOneAdam convert
     **{f"training_BingBertSquad_1-bit_adam_{net}_deepspeed_onebitadam_bsz96_config": None
        for net in ("mpi_ethernet", "mpi_infiniband", "nccl")},
     **{f"training_bing_bert_1-bit_adam_{net}_deepspeed_bsz4k_onebitadam_config_seq128_{net}": None
        for net in ("mpi_ethernet", "mpi_infiniband", "nccl")},
     **{f"training_bing_bert_1-bit_lamb_{net}_deepspeed_bsz{size}_onebitlamb_config_seq{seq}_{net}": None
        for net in ("mpi_ethernet", "mpi_infiniband", "nccl") for size, seq in (("32k", 512), ("64k", 128))},
-    # 0/1 Adam does not: its local steps are not built
-    **{f"training_bing_bert_01_adam_{net}_deepspeed_bsz4k_01adam_config_seq{seq}_{net}": {"optimizer.type": 7}
+    **{f"training_bing_bert_01_adam_{net}_deepspeed_bsz4k_01adam_config_seq{seq}_{net}": None
        for net in ("mpi_ethernet", "mpi_infiniband", "nccl") for seq in (128, 512)},
 }  # fmt: skip
 TEMPLATE = DS_DIR / f"{PREFIX}compression_bert_config_ds_config_TEMPLATE.json"

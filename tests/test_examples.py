@@ -306,22 +306,34 @@ def test_train_gpt_with_onebit_optimizers_ends_within_one_percent_of_uncompresse
     """The 1-bit optimizers from a run config, 200 steps of the example GPT
     on 2 ranks, each against the same optimizer never compressing (its
     freeze_step past the run: DeepSpeed's Adam or LAMB on the averaged
-    gradient). 1-bit Adam from step 41 (DeepSpeed's arithmetic, as its
-    configs convert) and 1-bit LAMB from step 101 end with a mean loss over
-    the last 20 steps within 1 % of theirs, after the same warm-up."""
+    gradient; 0/1 Adam with every step a full-precision variance step).
+    1-bit Adam from step 41 (DeepSpeed's arithmetic, as its configs
+    convert), 1-bit LAMB from step 101, and 0/1 Adam (the variance updated
+    ever more rarely from step 17, frozen at 100, then local steps, up to 4
+    between syncs, from step 141) end with a mean loss over the last 20
+    steps within 1 % of theirs, after the same first steps. 0/1 Adam's
+    final checkpoint, taken between syncs (saved as the ranks' mean),
+    verifies."""
     base = 'mesh: {dp: 2}\noptimizer: {type: "%s", freeze_step: %d%s}\n'
-    runs = {}
+    zero_one = ", bias_correction: false, zero_one: {%s}"
+    runs, warm = {}, {"adam": 40, "lamb": 40, "zero_one": 16}
     for name, text in {
         "adam": base % ("onebit_adam", 40, ", bias_correction: false"),
         "adam_plain": base % ("onebit_adam", 200, ", bias_correction: false"),
         "lamb": base % ("onebit_lamb", 100, ", lr: 0.005"),
         "lamb_plain": base % ("onebit_lamb", 200, ", lr: 0.005"),
-    }.items():
+        "zero_one": base % ("zero_one_adam", 100,
+                            zero_one % "local_step_scaler: 20, local_step_clipper: 4"),
+        "zero_one_plain": base % ("zero_one_adam", 200, zero_one % "var_update_scaler: 200"),
+    }.items():  # fmt: skip
         runs[name] = [float(r["loss"]) for r in _train_200(tmp_path, name, text, nproc=2)[0]]
-    for name in ("adam", "lamb"):
+    for name, first in warm.items():
         mean, plain = (sum(runs[n][-20:]) / 20 for n in (name, f"{name}_plain"))
         assert abs(mean - plain) <= 0.01 * plain, (name, mean, plain)
-        assert runs[name][:40] == runs[f"{name}_plain"][:40]  # the same warm-up
+        assert runs[name][:first] == runs[f"{name}_plain"][:first]  # the same first steps
+        assert runs[name] != runs[f"{name}_plain"]
+    final = tmp_path / "zero_one" / "step-00000200"
+    assert sx.ckpt.verify(final) == [] and sx.ckpt.read_index(final).world_size == 2
 
 
 def test_train_gpt_with_context_parallelism_gives_the_one_process_losses(

@@ -13,7 +13,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ._deepspeed_data import _ds_hpz, _ds_mics, _ds_qgz
-from ._fields import OPTIMIZERS
+from ._deepspeed_optim import _ds_optimizer, _optimizer_name
+from ._deepspeed_values import Put, Skip, _flag, _number, _section, _whole
 
 _DS_IGNORED = {
     "zero_optimization.overlap_comm": "always on: gradient buckets reduce while backward runs",
@@ -57,9 +58,6 @@ _DS_REFUSED = {
     "shardax has none",
 }
 
-Put = Callable[[str, str, Any], None]
-Skip = Callable[..., None]
-
 
 def from_deepspeed(
     ds: Mapping[str, Any], *, lossy: bool = False
@@ -94,10 +92,10 @@ def from_deepspeed(
     ({'global': 32}, {'zero': 2}, 'fp16')
     >>> unmapped
     [('zero_allow_untested_optimizer', 'no effect here: shardax runs any optimizer')]
-    >>> from_deepspeed({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}})
+    >>> from_deepspeed({"optimizer": {"type": "Adafactor", "params": {"lr": 1e-3}}})
     Traceback (most recent call last):
     ...
-    shardax.errors.ConfigError: DeepSpeed config: cannot convert without changing what the run computes: optimizer.type='ZeroOneAdam' (0/1 Adam's local steps between synchronisations are not in shardax yet; onebit_adam is 1-bit Adam); pass --lossy (lossy=True) to drop them, listed in the output
+    shardax.errors.ConfigError: DeepSpeed config: cannot convert without changing what the run computes: optimizer.type='Adafactor' (shardax has adamw, adam, lion, sgd, adagrad, rmsprop, lamb, onebit_adam, onebit_lamb, zero_one_adam); pass --lossy (lossy=True) to drop them, listed in the output
     """
     return _convert(ds, lossy, lambda key: "")
 
@@ -191,44 +189,6 @@ def _convert(
             + "; pass --lossy (lossy=True) to drop them, listed in the output"
         )
     return out, unmapped
-
-
-# -- values ---------------------------------------------------------------------
-
-
-def _bad(key: str, value: Any, what: str) -> ConfigError:
-    hint = ""
-    word = value.rstrip(",").replace("_", "") if isinstance(value, str) else ""
-    if word.isalnum() and word[:1].isalpha():
-        hint = " (a word where a value belongs: a template's placeholder left unfilled?)"
-    return ConfigError(f"{key} is {what}; got {value!r}{hint}", key)
-
-
-def _whole(key: str, value: Any, auto: bool = False) -> int:
-    """An integer setting (``8.0`` too; ``"8"`` is an error, as in DeepSpeed)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(key, value, 'an integer or "auto"' if auto else "an integer")
-    return value
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(key, value, "a number")
-    return float(value)
-
-
-def _flag(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _bad(key, value, "true or false")
-    return value
-
-
-def _section(key: str, value: Any) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise _bad(key, value, "an object of settings")
-    return value
 
 
 def _ds_enabled(section: Any, key: str = "") -> bool:
@@ -374,88 +334,6 @@ def _ds_precision(key: str, value: Mapping[str, Any], put: Put, skip: Skip) -> N
                             "finite step")  # fmt: skip
         else:
             skip(where, "no shardax setting for it")
-
-
-_DS_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "lamb": "lamb", "lion": "lion", "sgd": "sgd",
-                  "adagrad": "adagrad", "rmsprop": "rmsprop", "fusedadam": "adam",
-                  "cpuadam": "adam", "deepspeedcpuadam": "adam", "onebitadam": "onebit_adam",
-                  "onebitlamb": "onebit_lamb"}  # fmt: skip
-_ONEBIT_NOTES = {
-    "cuda_aware": "shardax's 1-bit collectives run over the mesh's backend",
-    "comm_backend_name": "shardax's 1-bit collectives run over the mesh's backend",
-}
-_LAMB_KEYS = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min",
-              "factor_threshold")  # fmt: skip
-
-
-def _optimizer_name(opt: Any) -> str | None:
-    """The shardax optimizer a DeepSpeed ``optimizer`` section makes (None: unknown)."""
-    if not isinstance(opt, Mapping):
-        return None
-    name = _DS_OPTIMIZERS.get(str(opt.get("type", "")).lower().replace("_", ""))
-    params = opt.get("params") or {}
-    if name == "adam" and (not isinstance(params, Mapping) or params.get("adam_w_mode", True)):
-        return "adamw"  # DeepSpeed's Adam decouples weight decay unless told not to
-    return name
-
-
-def _ds_optimizer(opt: Mapping[str, Any], put: Put, skip: Skip) -> None:
-    name = _optimizer_name(opt)
-    if name is None:
-        why = f"shardax has {', '.join(OPTIMIZERS)}"
-        if str(opt.get("type", "")).lower() == "zerooneadam":
-            why = ("0/1 Adam's local steps between synchronisations are not in shardax yet; "
-                   "onebit_adam is 1-bit Adam")  # fmt: skip
-        skip(f"optimizer.type={opt.get('type')!r}", why)
-        return
-    put("optimizer", "type", name)
-    if name == "onebit_adam":  # DeepSpeed's OnebitAdam corrects no bias, whatever its flag
-        put("optimizer", "bias_correction", False)
-    lamb: dict[str, float] = {}  # OnebitLamb's trust ratio settings
-    for k, v in _section("optimizer.params", opt.get("params", {})).items():
-        where = f"optimizer.params.{k}"
-        if v == "auto":
-            continue
-        if name == "onebit_lamb" and k in _LAMB_KEYS:
-            lamb[k] = _number(where, v)
-        elif name in ("onebit_adam", "onebit_lamb") and k in ("freeze_step", "bias_correction",
-                                                              *_ONEBIT_NOTES, *_LAMB_KEYS):  # fmt: skip
-            _ds_onebit(name, k, v, where, put, skip)
-        elif k in ("lr", "eps", "weight_decay", "momentum"):
-            put("optimizer", k, _number(where, v))
-        elif k == "betas":
-            if not isinstance(v, list):
-                raise _bad(where, v, "a list of two numbers")
-            put("optimizer", "betas", [_number(f"{where}[{i}]", b) for i, b in enumerate(v)])
-        elif k == "adam_w_mode":  # Adam: read above; AdamW: DeepSpeed ignores it
-            _flag(where, v)
-        elif k == "bias_correction":
-            if _flag(where, v):
-                continue  # the default
-            if name in ("adam", "adamw"):
-                put("optimizer", "bias_correction", False)  # FusedAdam's bias_correction=False
-            else:
-                skip(where, f"shardax's {name} always corrects the moment bias")
-        elif k in ("torch_adam", "fused", "amsgrad") and not v:
-            continue
-        else:
-            skip(where, "no shardax setting for it")
-    if lamb:
-        put("optimizer", "lamb", lamb)
-
-
-def _ds_onebit(name: str, key: str, value: Any, where: str, put: Put, skip: Skip) -> None:
-    """A setting of DeepSpeed's OnebitAdam or OnebitLamb."""
-    if key == "freeze_step":
-        put("optimizer", "freeze_step", _whole(where, value))
-    elif key == "bias_correction":
-        _flag(where, value)
-        skip(where, f"DeepSpeed's {'OnebitAdam' if name == 'onebit_adam' else 'OnebitLamb'} "
-             "corrects no moment bias whatever it says, and neither does this conversion", False)  # fmt: skip
-    elif key in _ONEBIT_NOTES:
-        skip(where, _ONEBIT_NOTES[key], False)
-    else:  # a trust ratio setting given to OnebitAdam, which DeepSpeed does not read
-        skip(where, "a setting of OnebitLamb; DeepSpeed's OnebitAdam does not read it", False)
 
 
 class _Params:

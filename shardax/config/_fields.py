@@ -23,7 +23,9 @@ OPTIMIZERS = (
     "lamb",
     "onebit_adam",
     "onebit_lamb",
+    "zero_one_adam",
 )
+COMPRESSED = ("onebit_adam", "onebit_lamb", "zero_one_adam")  # each averages over the data axes
 SCHEDULES = (
     "constant",
     "warmup_constant",

@@ -103,9 +103,11 @@ def _onebit(
     from .. import optim
 
     b1, b2 = o.betas
-    common = {"b1": b1, "b2": b2, "eps": o.eps, "weight_decay": o.weight_decay,
-              "freeze_step": o.freeze_step, "axis": axes,
+    common = {"b1": b1, "b2": b2, "eps": o.eps, "weight_decay": o.weight_decay, "axis": axes,
               "max_grad_norm": o.clip_global_norm if clip else None}  # fmt: skip
+    if o.type == "zero_one_adam":
+        return optim.zero_one_adam(lr, var_freeze_step=o.freeze_step, **common, **o.zero_one)
+    common["freeze_step"] = o.freeze_step
     if o.type == "onebit_adam":
         return optim.onebit_adam(lr, bias_correction=o.bias_correction, **common)
     return optim.onebit_lamb(lr, **common, **o.lamb)

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from ..errors import ConfigError
-from ._fields import _as_int, _positive
+from ._fields import COMPRESSED, _as_int, _positive
 from ._hjson import (
     _first_key,
     _keyed,
@@ -58,7 +58,7 @@ class RunConfig:
     >>> RunConfig.from_dict({"optimizer": {"typ": "adamw"}})
     Traceback (most recent call last):
     ...
-    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, bias_correction, clip_global_norm, eps, freeze_step, lamb, lr, momentum, type, weight_decay
+    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, bias_correction, clip_global_norm, eps, freeze_step, lamb, lr, momentum, type, weight_decay, zero_one
     """
 
     mesh: dict[str, int] = attrs.field(factory=lambda: {"dp": -1}, converter=_mesh)
@@ -90,7 +90,7 @@ class RunConfig:
         if self.parallel.pp is not None:
             _check_pipeline(self)
         p = self.parallel
-        if self.optimizer.type in ("onebit_adam", "onebit_lamb") and (p.zero or p.pp or p.ep):
+        if self.optimizer.type in COMPRESSED and (p.zero or p.pp or p.ep):
             raise ConfigError(
                 f"optimizer.type {self.optimizer.type} averages each rank's own momentum, whole, "
                 "over the data axes, as DeepSpeed's 1-bit optimizers (ZeRO-0 only): use "
@@ -288,7 +288,7 @@ class RunConfig:
         >>> RunConfig().unreduced_axes
         ()
         """
-        if self.optimizer.type not in ("onebit_adam", "onebit_lamb"):
+        if self.optimizer.type not in COMPRESSED:
             return ()
         return tuple(a for a in self.data_axes if a in self.mesh)
 
@@ -408,7 +408,7 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
             f"weight_decay={o.weight_decay:g}"
             + (", bias_correction=False" if not o.bias_correction else "")
             + (f", freeze_step={o.freeze_step}" if o.freeze_step else "")
-            + "".join(f", {k}={v:g}" for k, v in o.lamb.items())
+            + "".join(f", {k}={v:g}" for k, v in (*o.lamb.items(), *o.zero_one.items()))
             + ")"
             + (f", clipped at global norm {o.clip_global_norm:g}" if o.clip_global_norm else "")
             + (
@@ -417,7 +417,12 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
                 else ""
             )
             + (
-                f"; 1-bit momenta over {run.unreduced_axes!r} after the warm-up"
+                (
+                    f"; 1-bit averages over {run.unreduced_axes!r}, local steps after the "
+                    "variance freezes"
+                    if o.type == "zero_one_adam"
+                    else f"; 1-bit momenta over {run.unreduced_axes!r} after the warm-up"
+                )
                 if run.unreduced_axes
                 else ""
             ),

@@ -12,6 +12,7 @@ import attrs
 
 from ..errors import ConfigError
 from ._fields import (
+    COMPRESSED,
     OPTIMIZERS,
     PP_SCHEDULES,
     PRECISIONS,
@@ -141,12 +142,28 @@ _LAMB_KEYS = (
 )
 
 
+_ZERO_ONE_KEYS = ("var_update_scaler", "local_step_scaler", "local_step_clipper")
+
+
+def _zero_one_settings(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"zero_one is an object of ints; got {value!r}")
+    unknown = sorted(set(value) - set(_ZERO_ONE_KEYS))
+    if unknown:
+        raise ConfigError(f"zero_one: unknown {unknown}; it takes {', '.join(_ZERO_ONE_KEYS)}")
+    out = {k: _as_int(f"zero_one.{k}")(v) for k, v in value.items()}
+    for k, v in out.items():
+        if v < 1:
+            raise ConfigError(f"zero_one.{k} must be >= 1; got {v}")
+    return out
+
+
 def _lamb_settings(value: Any) -> dict[str, float]:
     if not isinstance(value, dict):
-        raise ConfigError(f"optimizer.lamb is an object of numbers; got {value!r}")
+        raise ConfigError(f"lamb is an object of numbers; got {value!r}")
     unknown = sorted(set(value) - set(_LAMB_KEYS))
     if unknown:
-        raise ConfigError(f"optimizer.lamb: unknown {unknown}; it takes {', '.join(_LAMB_KEYS)}")
+        raise ConfigError(f"lamb: unknown {unknown}; it takes {', '.join(_LAMB_KEYS)}")
     return {k: _as_float(f"lamb.{k}")(v) for k, v in value.items()}
 
 
@@ -161,7 +178,12 @@ class OptimizerConfig:
     data axes, at ZeRO-0) take ``freeze_step``, and 1-bit LAMB its trust
     ratio's ``lamb`` settings (``max_coeff``, ``min_coeff``, ``coeff_beta``,
     ``factor_max``, ``factor_min``, ``factor_threshold``; DeepSpeed's
-    names and defaults)."""
+    names and defaults). ``zero_one_adam`` (DeepSpeed's ZeroOneAdam) takes
+    ``freeze_step`` as its ``var_freeze_step`` (the last step that may
+    update the variance), ``zero_one`` (``var_update_scaler``,
+    ``local_step_scaler``, ``local_step_clipper``; DeepSpeed's names and
+    defaults) and ``bias_correction: false`` (it corrects neither
+    moment)."""
 
     type: str = attrs.field(default="adamw", validator=_in(OPTIMIZERS))
     lr: float = attrs.field(default=1e-3, converter=_as_float("lr"), validator=_positive)
@@ -181,26 +203,47 @@ class OptimizerConfig:
         default=None, converter=_optional(_as_int, "freeze_step"), validator=_positive
     )
     lamb: dict[str, float] = attrs.field(factory=dict, converter=_lamb_settings)
+    zero_one: dict[str, int] = attrs.field(factory=dict, converter=_zero_one_settings)
 
     def __attrs_post_init__(self) -> None:
         if len(self.betas) != 2:
             raise ConfigError(f"optimizer.betas is two numbers; got {self.betas!r}")
-        onebit = self.type in ("onebit_adam", "onebit_lamb")
+        onebit = self.type in COMPRESSED
         if onebit and self.freeze_step is None:
             raise ConfigError(
-                f"{self.type} needs freeze_step: the warm-up steps of full-precision Adam "
-                "before the variance freezes and the momenta go 1-bit (DeepSpeed suggests "
-                "15-25 % of the run)"
+                f"{self.type} needs freeze_step: "
+                + (
+                    "the last step that may update the variance, DeepSpeed's var_freeze_step "
+                    "(usually the end of the learning-rate warm-up)"
+                    if self.type == "zero_one_adam"
+                    else "the warm-up steps of full-precision Adam before the variance "
+                    "freezes and the momenta go 1-bit (DeepSpeed suggests 15-25 % of the run)"
+                )
             )
         if not onebit and self.freeze_step is not None:
             raise ConfigError(
-                f"freeze_step is a setting of onebit_adam and onebit_lamb, not {self.type}"
+                f"freeze_step is a setting of {', '.join(COMPRESSED)}, not {self.type}"
+            )
+        if self.zero_one and self.type != "zero_one_adam":
+            raise ConfigError(
+                f"zero_one (0/1 Adam's variance and local-step policies) is for zero_one_adam, "
+                f"not {self.type}"
+            )
+        if self.type == "zero_one_adam" and self.bias_correction:
+            raise ConfigError(
+                "zero_one_adam corrects neither moment's bias (DeepSpeed's ZeroOneAdam, "
+                "whatever its flag says): set bias_correction: false"
             )
         if self.lamb and self.type != "onebit_lamb":
             raise ConfigError(
                 f"lamb (the trust ratio's settings) is for onebit_lamb, not {self.type}"
             )
-        if not self.bias_correction and self.type not in ("adam", "adamw", "onebit_adam"):
+        if not self.bias_correction and self.type not in (
+            "adam",
+            "adamw",
+            "onebit_adam",
+            "zero_one_adam",
+        ):
             raise ConfigError(
                 f"bias_correction is false, a switch of adam and adamw only: {self.type} always "
                 "corrects its moments' bias. Use type adam or adamw, or drop bias_correction"
