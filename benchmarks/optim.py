@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import optree
 import torch
 
 import shardax as sx
@@ -66,6 +67,60 @@ def gpt_sizes(n: int, layers: int = 12) -> list[int]:
     d = max(1, int((n / (12 * layers)) ** 0.5))
     block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
     return block * layers
+
+
+def gpt_shapes(n: int, layers: int = 12) -> list[tuple[int, ...]]:
+    """:func:`gpt_sizes`'s leaves as a GPT's shapes: its matrices 2-D (what
+    Muon orthogonalizes), its norms and biases 1-D."""
+    d = max(1, int((n / (12 * layers)) ** 0.5))
+    block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,),
+             (d, 4 * d), (d,)]  # fmt: skip
+    return block * layers
+
+
+def _muon(n: int) -> tuple[Callable[[], None], Callable[[], None], dict[str, float]]:
+    """Muon on a GPT's leaves (:func:`gpt_shapes`, about ``n`` elements):
+    shardax's ``optim.muon`` (fp32 Newton–Schulz) and torch's
+    ``optim.Muon(adjust_lr_fn="match_rms_adamw")`` for the matrices with
+    ``optim.AdamW`` for the rest — the same arithmetic, torch's iteration in
+    bf16 — and the optimizer state each keeps, in bytes per parameter."""
+    shapes = gpt_shapes(n)
+    params = {f"blocks.{i}.w": torch.randn(s) for i, s in enumerate(shapes)}
+    grads = {k: torch.randn(v.shape) for k, v in params.items()}
+    opt = sx.optim.muon(0.02, weight_decay=0.1)
+    state = opt.init(params)
+
+    def ours() -> None:
+        nonlocal params, state
+        params, state = sx.optim.step(opt, grads, state, params)
+
+    ps = [torch.nn.Parameter(v.clone()) for v in params.values()]
+    for p, g in zip(ps, grads.values(), strict=True):
+        p.grad = g.clone()
+    mats, vecs = [p for p in ps if p.ndim == 2], [p for p in ps if p.ndim != 2]
+    muon = torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(vecs, lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def theirs() -> None:
+        muon.step()
+        adamw.step()
+
+    numel = sum(p.numel() for p in ps)
+    ours()  # the state exists after a step (torch's lazily)
+    theirs()
+    held = [t for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor) and t.ndim]
+    torch_held = [t for st in (*muon.state.values(), *adamw.state.values())
+                  for t in st.values() if isinstance(t, torch.Tensor) and t.ndim]  # fmt: skip
+    table = sx.explain({k: torch.empty(v.shape, device="meta") for k, v in params.items()},
+                       sx.AbstractMesh({"dp": 1}), sx.rules.zero(0),
+                       opt_state_bytes=sx.optim.muon_state_bytes)  # fmt: skip
+    state_bytes = {
+        "shardax_muon": sum(t.numel() * t.element_size() for t in held) / numel,
+        "torch_muon": sum(t.numel() * t.element_size() for t in torch_held) / numel,
+        "explain": max(dict(table.roles)["opt_state"]) / numel,
+        "adamw": 8.0,
+    }
+    return ours, theirs, state_bytes
 
 
 def _sizes(n: int, leaves: str) -> list[int]:
@@ -125,6 +180,7 @@ def _measure(numel: int, reps: int, seed: int) -> tuple[dict[str, list[float]], 
         "shardax_step_gpt_leaves": _shardax(numel, True, True, leaves="gpt"),
         "torch_fused_gpt_leaves": _torch(numel, "gpt", fused=True),
     }
+    steps["shardax_muon_gpt_leaves"], steps["torch_muon_gpt_leaves"], _ = _muon(numel)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _deepspeed import cpu_adamw
 
@@ -277,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, ds_skipped = _in_processes(args, reps)
     from shardax.kernels import OPTIM
 
-    rows, stream = {}, {}
+    rows, stream, muon = {}, {}, {}
     for name in runs[0]:
         ts = [t for run in runs for t in run[name]]
         ms = 1e3 * statistics.median(ts)
@@ -290,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             "process_ms": [1e3 * statistics.median(run[name]) for run in runs],
             "all_ms": [1e3 * t for t in ts],
         }
-        if name.startswith("stream_"):
+        if "_muon_" in name:  # compute-bound matrix products: no bytes-per-element pace
+            del row["GBps"]
+            muon[name] = row
+        elif name.startswith("stream_"):
             stream[kind] = row
         else:
             rows[name] = row
@@ -299,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows.values():
         r["vs_torch_fused"] = fused / r["ms"]
         r["of_stream"] = r["GBps"] / stream_gbps
+    for r in muon.values():
+        r["vs_torch_muon"] = muon["torch_muon_gpt_leaves"]["ms"] / r["ms"]
     result = {
         "benchmark": "optim",
         "numel": numel,
@@ -310,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "deepspeed": {"skipped": ds_skipped},
         "stream": {"GBps": stream_gbps, **stream},
         "results": rows,
+        "muon": {**muon, "state_bytes_per_param": _muon(min(numel, 1_000_000))[2]},
     }
     print(
         f"AdamW step, {numel:,} fp32 elements, {args.threads} threads, median of {reps} "
@@ -323,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<26}{r['ms']:>9.1f} ms{r['GBps']:>8.1f} GB/s {r['of_stream']:>4.0%} of stream  "
             f"x{r['vs_torch_fused']:.2f} torch fused  [{each}]"
         )
+    for name, r in muon.items():
+        print(f"{name:<26}{r['ms']:>9.1f} ms  x{r['vs_torch_muon']:.2f} torch Muon")
+    print("optimizer state, bytes per parameter: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in result["muon"]["state_bytes_per_param"].items()))  # fmt: skip
     if ds_skipped:
         print(f"deepspeed_cpu_adam: skipped ({ds_skipped})")
     if args.json:

@@ -706,3 +706,29 @@ def test_a_good_config_still_loads_with_its_types():
     )
     assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
     assert config.batch.global_size == 16 and isinstance(config.batch.global_size, int)
+
+
+def test_muon_in_a_config_and_from_deepspeed():
+    """``optimizer.type: muon`` needs its momentum and takes ``muon``'s
+    settings; the plan counts 4 bytes of state on its matrices. DeepSpeed's
+    Muon converts with its arithmetic (the spectral scale) and its
+    defaults, the Adam group's own learning rate as ``muon.adam_lr``, and
+    notes what the config cannot say (which params take Muon)."""
+    run = RunConfig.from_dict({"optimizer": {"type": "muon", "lr": 0.02, "momentum": 0.95,
+                                             "muon": {"scale": "spectral", "adam_lr": 3e-4}}})  # fmt: skip
+    assert RunConfig.from_dict(run.to_dict()) == run
+    assert "muon(lr=0.02, betas=(0.9, 0.999), eps=1e-08, weight_decay=0, momentum=0.95, scale=spectral, adam_lr=0.0003)" in run.plan(2)  # fmt: skip
+    run.make_optimizer()
+    with pytest.raises(ConfigError, match="muon needs momentum"):
+        RunConfig.from_dict({"optimizer": {"type": "muon"}})
+    with pytest.raises(ConfigError, match=r"muon\.scale is one of \('moonlight', 'spectral'\)"):
+        RunConfig.from_dict({"optimizer": {"type": "muon", "momentum": 0.9, "muon": {"scale": 1}}})
+    with pytest.raises(ConfigError, match=r"muon \(Muon's settings\) is for type muon"):
+        RunConfig.from_dict({"optimizer": {"type": "adamw", "muon": {"ns_steps": 3}}})
+    data, unmapped = from_deepspeed({"optimizer": {"type": "Muon", "params": {
+        "lr": 0.01, "adam_lr": 1e-3, "weight_decay": 0.1}}})  # fmt: skip
+    assert data["optimizer"] == {"type": "muon", "lr": 0.01, "momentum": 0.95,
+                                 "betas": [0.9, 0.95], "eps": 1e-10, "weight_decay": 0.1,
+                                 "muon": {"scale": "spectral", "adam_lr": 1e-3}}  # fmt: skip
+    assert [k for k, _ in unmapped] == ["optimizer.params.ns_method", "optimizer.type=Muon"]
+    RunConfig.from_dict(data).make_optimizer()

@@ -295,6 +295,8 @@ SURFACE = {
         "linear_schedule",
         "lion",
         "masked",
+        "muon",
+        "muon_state_bytes",
         "one_cycle",
         "one_cycle_schedule",
         "onebit_adam",

@@ -95,7 +95,7 @@ def from_deepspeed(
     >>> from_deepspeed({"optimizer": {"type": "Adafactor", "params": {"lr": 1e-3}}})
     Traceback (most recent call last):
     ...
-    shardax.errors.ConfigError: DeepSpeed config: cannot convert without changing what the run computes: optimizer.type='Adafactor' (shardax has adamw, adam, lion, sgd, adagrad, rmsprop, lamb, onebit_adam, onebit_lamb, zero_one_adam); pass --lossy (lossy=True) to drop them, listed in the output
+    shardax.errors.ConfigError: DeepSpeed config: cannot convert without changing what the run computes: optimizer.type='Adafactor' (shardax has adamw, adam, lion, sgd, adagrad, rmsprop, lamb, onebit_adam, onebit_lamb, zero_one_adam, muon); pass --lossy (lossy=True) to drop them, listed in the output
     """
     return _convert(ds, lossy, lambda key: "")
 

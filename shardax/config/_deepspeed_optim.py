@@ -13,7 +13,8 @@ from ._fields import OPTIMIZERS
 _DS_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "lamb": "lamb", "lion": "lion", "sgd": "sgd",
                   "adagrad": "adagrad", "rmsprop": "rmsprop", "fusedadam": "adam",
                   "cpuadam": "adam", "deepspeedcpuadam": "adam", "onebitadam": "onebit_adam",
-                  "onebitlamb": "onebit_lamb", "zerooneadam": "zero_one_adam"}  # fmt: skip
+                  "onebitlamb": "onebit_lamb", "zerooneadam": "zero_one_adam",
+                  "muon": "muon"}  # fmt: skip
 _ONEBIT_NOTES = {
     "cuda_aware": "shardax's 1-bit collectives run over the mesh's backend",
     "comm_backend_name": "shardax's 1-bit collectives run over the mesh's backend",
@@ -47,6 +48,9 @@ def _ds_optimizer(opt: Mapping[str, Any], put: Put, skip: Skip) -> None:
         skip(f"optimizer.type={opt.get('type')!r}", f"shardax has {', '.join(OPTIMIZERS)}")
         return
     put("optimizer", "type", name)
+    if name == "muon":
+        _ds_muon(_section("optimizer.params", opt.get("params", {})), put, skip)
+        return
     if name in ("onebit_adam", "zero_one_adam"):  # DeepSpeed's correct no bias, whatever the flag
         put("optimizer", "bias_correction", False)
     lamb: dict[str, float] = {}  # OnebitLamb's trust ratio settings
@@ -83,6 +87,8 @@ def _ds_optimizer(opt: Mapping[str, Any], put: Put, skip: Skip) -> None:
                 skip(where, f"shardax's {name} always corrects the moment bias")
         elif k in ("torch_adam", "fused", "amsgrad") and not v:
             continue
+        elif k in ("torch_adam", "fused") and _flag(where, v):  # which kernel, not what it computes
+            skip(where, "torch.optim's implementation of the same arithmetic", False)
         else:
             skip(where, "no shardax setting for it")
     if lamb:
@@ -106,3 +112,51 @@ def _ds_onebit(name: str, key: str, value: Any, where: str, put: Put, skip: Skip
         skip(where, _ONEBIT_NOTES[key], False)
     else:  # a trust ratio setting given to OnebitAdam, which DeepSpeed does not read
         skip(where, "a setting of OnebitLamb; DeepSpeed's OnebitAdam does not read it", False)
+
+
+_MUON_DEFAULTS = {"lr": 0.02, "adam_lr": 3e-4, "momentum": 0.95, "betas": [0.9, 0.95],
+                  "eps": 1e-10, "weight_decay": 0.0}  # fmt: skip
+"""DeepSpeed's MuonWithAuxAdam's defaults: its Muon group's lr and momentum,
+its Adam group's lr, betas and eps."""
+
+
+def _ds_muon(params: Mapping[str, Any], put: Put, skip: Skip) -> None:
+    """DeepSpeed's Muon (``MuonWithAuxAdam``): Keller Jordan's scale
+    (``muon.scale: spectral``), its Muon and Adam groups' learning rates
+    (``lr``, or ``muon_lr`` / ``adam_lr`` for one group), and its defaults
+    where a key is left out."""
+    got = {k: v for k, v in params.items() if v != "auto"}
+    for k in got:
+        if k not in ("lr", "muon_lr", "adam_lr", "momentum", "betas", "eps", "weight_decay",
+                     "ns_method"):  # fmt: skip
+            skip(f"optimizer.params.{k}", "no shardax setting for it")
+    number = {
+        k: _number(f"optimizer.params.{k}", got[k]) for k in got if k not in ("betas", "ns_method")
+    }
+    muon_lr = number.get("muon_lr", number.get("lr", _MUON_DEFAULTS["lr"]))
+    adam_lr = number.get("adam_lr", number.get("lr", _MUON_DEFAULTS["adam_lr"]))
+    betas = got.get("betas", _MUON_DEFAULTS["betas"])
+    if not isinstance(betas, list):
+        raise _bad("optimizer.params.betas", betas, "a list of two numbers")
+    put("optimizer", "lr", muon_lr)
+    put("optimizer", "momentum", number.get("momentum", _MUON_DEFAULTS["momentum"]))
+    put(
+        "optimizer",
+        "betas",
+        [_number(f"optimizer.params.betas[{i}]", b) for i, b in enumerate(betas)],
+    )
+    put("optimizer", "eps", number.get("eps", _MUON_DEFAULTS["eps"]))
+    put("optimizer", "weight_decay", number.get("weight_decay", _MUON_DEFAULTS["weight_decay"]))
+    settings: dict[str, Any] = {"scale": "spectral"}
+    if adam_lr != muon_lr:
+        settings["adam_lr"] = adam_lr
+    put("optimizer", "muon", settings)
+    method = got.get("ns_method", "gram")
+    if method not in ("gram", "standard"):
+        raise _bad("optimizer.params.ns_method", method, '"gram" or "standard"')
+    if method == "gram":
+        skip("optimizer.params.ns_method", "the Gram form of the same Newton-Schulz iteration: "
+             "shardax runs the standard form, equal up to rounding", False)  # fmt: skip
+    skip("optimizer.type=Muon", "which params take Muon: DeepSpeed reads each param's use_muon; "
+         "shardax's default takes the 2-D weights but embeddings and the head, and stacked "
+         "experts (pass use_muon= to sx.optim.muon to choose otherwise)", False)  # fmt: skip

@@ -24,6 +24,7 @@ OPTIMIZERS = (
     "onebit_adam",
     "onebit_lamb",
     "zero_one_adam",
+    "muon",
 )
 COMPRESSED = ("onebit_adam", "onebit_lamb", "zero_one_adam")  # each averages over the data axes
 SCHEDULES = (

@@ -90,8 +90,22 @@ def _optimizer(o: OptimizerConfig, lr: Callable[[int], float]) -> Any:
             lr, eps=o.eps, weight_decay=o.weight_decay, momentum=o.momentum
         ),
         "lamb": lambda: optim.lamb(lr, b1=b1, b2=b2, eps=o.eps, weight_decay=o.weight_decay),
+        "muon": lambda: _muon(o, lr),
     }
     return makers[o.type]()
+
+
+def _muon(o: OptimizerConfig, lr: Callable[[int], float]) -> Any:
+    """Muon with ``o``'s settings: ``lr`` for the matrices; the Adam part's
+    ``muon.adam_lr``, where given, as ``lr`` scaled to it."""
+    from .. import optim
+
+    b1, b2 = o.betas
+    settings = {k: v for k, v in o.muon.items() if k != "adam_lr"}
+    adam_lr = o.muon.get("adam_lr")
+    scaled = None if adam_lr is None else (lambda step: lr(step) * adam_lr / o.lr)
+    return optim.muon(lr, o.momentum, weight_decay=o.weight_decay, adam_b1=b1, adam_b2=b2,
+                      adam_eps=o.eps, adam_learning_rate=scaled, **settings)  # fmt: skip
 
 
 def _onebit(

@@ -58,7 +58,7 @@ class RunConfig:
     >>> RunConfig.from_dict({"optimizer": {"typ": "adamw"}})
     Traceback (most recent call last):
     ...
-    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, bias_correction, clip_global_norm, eps, freeze_step, lamb, lr, momentum, type, weight_decay, zero_one
+    shardax.errors.ConfigError: config: unknown key optimizer.typ (did you mean 'type'?); optimizer takes betas, bias_correction, clip_global_norm, eps, freeze_step, lamb, lr, momentum, muon, type, weight_decay, zero_one
     """
 
     mesh: dict[str, int] = attrs.field(factory=lambda: {"dp": -1}, converter=_mesh)
@@ -408,7 +408,9 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
             f"weight_decay={o.weight_decay:g}"
             + (", bias_correction=False" if not o.bias_correction else "")
             + (f", freeze_step={o.freeze_step}" if o.freeze_step else "")
+            + (f", momentum={o.momentum:g}" if o.type == "muon" else "")
             + "".join(f", {k}={v:g}" for k, v in (*o.lamb.items(), *o.zero_one.items()))
+            + "".join(f", {k}={v}" for k, v in o.muon.items())
             + ")"
             + (f", clipped at global norm {o.clip_global_norm:g}" if o.clip_global_norm else "")
             + (

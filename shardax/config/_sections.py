@@ -158,6 +158,36 @@ def _zero_one_settings(value: Any) -> dict[str, int]:
     return out
 
 
+_MUON_KEYS = {"scale": ("moonlight", "spectral"), "ns_steps": int, "nesterov": bool,
+              "rms_scale": float, "adam_lr": float}  # fmt: skip
+
+
+def _muon_settings(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"muon is an object of settings; got {value!r}")
+    unknown = sorted(set(value) - set(_MUON_KEYS))
+    if unknown:
+        raise ConfigError(f"muon: unknown {unknown}; it takes {', '.join(_MUON_KEYS)}")
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        kind = _MUON_KEYS[k]
+        if isinstance(kind, tuple):
+            if v not in kind:
+                raise ConfigError(f"muon.{k} is one of {kind}; got {v!r}")
+            out[k] = v
+        elif kind is bool:
+            out[k] = _as_bool(f"muon.{k}")(v)
+        elif kind is int:
+            out[k] = _as_int(f"muon.{k}")(v)
+            if out[k] < 1:
+                raise ConfigError(f"muon.{k} must be >= 1; got {out[k]}")
+        else:
+            out[k] = _as_float(f"muon.{k}")(v)
+            if not out[k] > 0:
+                raise ConfigError(f"muon.{k} must be positive; got {out[k]}")
+    return out
+
+
 def _lamb_settings(value: Any) -> dict[str, float]:
     if not isinstance(value, dict):
         raise ConfigError(f"lamb is an object of numbers; got {value!r}")
@@ -183,7 +213,11 @@ class OptimizerConfig:
     update the variance), ``zero_one`` (``var_update_scaler``,
     ``local_step_scaler``, ``local_step_clipper``; DeepSpeed's names and
     defaults) and ``bias_correction: false`` (it corrects neither
-    moment)."""
+    moment). ``muon`` (Moonlight's Muon for matrices, Adam with ``betas``
+    and ``eps`` for the rest) needs ``momentum`` and takes ``muon``
+    (``scale``: moonlight or spectral, ``ns_steps``, ``nesterov``,
+    ``rms_scale``, ``adam_lr``: the Adam part's learning rate, the
+    schedule's shape scaled to it)."""
 
     type: str = attrs.field(default="adamw", validator=_in(OPTIMIZERS))
     lr: float = attrs.field(default=1e-3, converter=_as_float("lr"), validator=_positive)
@@ -204,6 +238,7 @@ class OptimizerConfig:
     )
     lamb: dict[str, float] = attrs.field(factory=dict, converter=_lamb_settings)
     zero_one: dict[str, int] = attrs.field(factory=dict, converter=_zero_one_settings)
+    muon: dict[str, Any] = attrs.field(factory=dict, converter=_muon_settings)
 
     def __attrs_post_init__(self) -> None:
         if len(self.betas) != 2:
@@ -228,6 +263,13 @@ class OptimizerConfig:
             raise ConfigError(
                 f"zero_one (0/1 Adam's variance and local-step policies) is for zero_one_adam, "
                 f"not {self.type}"
+            )
+        if self.muon and self.type != "muon":
+            raise ConfigError(f"muon (Muon's settings) is for type muon, not {self.type}")
+        if self.type == "muon" and not self.momentum:
+            raise ConfigError(
+                "muon needs momentum (Moonlight's and DeepSpeed's: 0.95): the momentum it "
+                "orthogonalizes; 0 would orthogonalize each raw gradient"
             )
         if self.type == "zero_one_adam" and self.bias_correction:
             raise ConfigError(

@@ -55,6 +55,8 @@ from ._global import clip_by_block_rms as clip_by_block_rms
 from ._global import clip_by_global_norm as clip_by_global_norm
 from ._global import scale_by_param_block_rms as scale_by_param_block_rms
 from ._global import scale_by_trust_ratio as scale_by_trust_ratio
+from ._muon import muon as muon
+from ._muon import muon_state_bytes as muon_state_bytes
 from ._norms import all_finite as all_finite
 from ._norms import global_norm as global_norm
 from ._onebit import onebit_adam as onebit_adam
@@ -149,6 +151,8 @@ __all__ = [
     "linear_schedule",
     "lion",
     "masked",
+    "muon",
+    "muon_state_bytes",
     "one_cycle",
     "one_cycle_schedule",
     "onebit_adam",

@@ -45,12 +45,12 @@ from ..errors import PlanError
 from ._cluster import Cluster, Link
 from ._model import VOCAB_TRAFFIC, ModelShape
 from ._pipe import pipeline_time
+from ._state import _leaf_state_bytes, _optimizer_bytes
 
 __all__ = ["Estimate", "predict"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # optimizer state per element, by type (fp32 moments)
-OPT_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lion": 4, "adagrad": 4, "rmsprop": 4}
 # bytes an optimizer step reads and writes per element, beyond its state (param, grad)
 STEP_BYTES = 3
 
@@ -197,18 +197,6 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def _optimizer_bytes(config: RunConfig) -> int:
-    """Optimizer state bytes per element: the moments, and an fp32 master
-    copy for half-precision params."""
-    o, prec = config.optimizer, config.precision
-    state = OPT_STATE_BYTES.get(o.type, 4 if o.momentum else 0)
-    if o.type == "rmsprop" and o.momentum:
-        state += 4
-    if prec.params != "fp32" and prec.master_weights:
-        state += 4
-    return state
-
-
 def predict(
     config: RunConfig,
     model: nn.Module | None,
@@ -294,7 +282,7 @@ def state_bytes(
     best: dict[str, float] = {}
     for held in _stage_params(params, shape, s.pp):
         table = explain(held, flat, config.make_rules(names="auto"),
-                        opt_state_bytes=_optimizer_bytes(config))  # fmt: skip
+                        opt_state_bytes=_leaf_state_bytes(config))  # fmt: skip
         roles = {role: float(max(b)) for role, b in table.roles}
         if sum(roles.values()) > sum(best.values()):
             best = roles

@@ -245,7 +245,11 @@ class Explanation:
 
 
 def explain(
-    tree: Any, mesh: AbstractMesh, specs: Any = None, *, opt_state_bytes: int = 8
+    tree: Any,
+    mesh: AbstractMesh,
+    specs: Any = None,
+    *,
+    opt_state_bytes: int | Callable[[str, tuple[int, ...]], int] = 8,
 ) -> Explanation:
     """The sharding plan of ``tree`` on ``mesh`` under ``specs`` (as for
     :func:`shardax.shard`; None keeps ``Sharded`` leaves' own layouts and
@@ -256,8 +260,9 @@ def explain(
 
     With rules, it also sums each rank's training state by role: params,
     grads (same dtype as the params) and optimizer state at
-    ``opt_state_bytes`` per element (8: Adam's two fp32 moments) — the ZeRO
-    arithmetic of each stage:
+    ``opt_state_bytes`` per element (8: Adam's two fp32 moments; or a
+    function ``(path, shape) -> bytes``, as :func:`shardax.optim.muon_state_bytes`
+    for Muon's 4 on matrices) — the ZeRO arithmetic of each stage:
 
     >>> import torch, shardax as sx
     >>> w = {"w": torch.empty(1024, 256, device="meta")}
@@ -311,7 +316,11 @@ def explain(
             for role, lay, size in (
                 ("params", layout, leaf.dtype.itemsize),
                 ("grads", placed.grads, leaf.dtype.itemsize),
-                ("opt_state", placed.opt_state, opt_state_bytes),
+                (
+                    "opt_state",
+                    placed.opt_state,
+                    opt_state_bytes(path, shape) if callable(opt_state_bytes) else opt_state_bytes,
+                ),
             ):
                 kind = placed.memory_kind(role)  # rules.offload: on disk, in host memory
                 key = role if kind == "device" else f"{role} ({kind})"

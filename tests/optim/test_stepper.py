@@ -536,3 +536,7 @@ def test_optim_benchmark_smoke(tmp_path):
         result["results"]
     )
     assert all(r["ms"] > 0 for r in result["results"].values() if "ms" in r)
+    muon = result["muon"]  # Muon beside torch.optim.Muon, and the state each keeps
+    assert muon["shardax_muon_gpt_leaves"]["ms"] > 0 and muon["torch_muon_gpt_leaves"]["ms"] > 0
+    held = muon["state_bytes_per_param"]
+    assert held["shardax_muon"] == held["explain"] < 4.5 and held["adamw"] == 8
