@@ -1,4 +1,4 @@
-"""Communication across a slow link: ZeRO-3, HSDP and ZeRO++ on two emulated nodes, against DeepSpeed.
+"""Communication across a slow link: ZeRO-3, HSDP, ZeRO++, 1-bit and 0/1 Adam on two emulated nodes, against DeepSpeed.
 
 One invocation trains the same GPT (``examples/gpt.py``, the ``small``
 preset by default: 1.85M parameters) on the same tinyshakespeare bytes,
@@ -31,6 +31,24 @@ layouts (:data:`LAYOUTS`, ``docs/comm.md``):
 - ``onebit-adam``: ``zero0`` with ``optim.onebit_adam`` (AdamW's bias
   correction, 1-bit from step 3): after its 2 warm-up steps only the
   momenta's signs and scales cross (``value_and_grad(unreduced="dp")``);
+- ``zero-one-adam``: ``zero0`` with ``optim.zero_one_adam`` (0/1 Adam,
+  :data:`ZERO_ONE`: ``var_freeze_step=2, local_step_scaler=1,
+  local_step_clipper=4``): its steady state after the variance freezes,
+  the ranks syncing their change in 1 bit once every H = 4 steps and
+  sending nothing on the 3 local steps between. Not DeepSpeed's defaults
+  (``local_step_scaler=32678``: a local interval of 1, a sync every step,
+  for 32678 steps, then 2, …, up to 16), which a 7-step run would measure
+  as 1-bit Adam's bytes. On DeepSpeed's count (``ds = t + 1`` at step
+  ``t``, from 1): steps 1 and 2 average the gradients in fp32 (the
+  variance's updates: 1-bit Adam's 2-step warm-up; frozen after one, the
+  small GPT's loss is NaN by step 7); then a 1-bit sync wherever ``ds``
+  is a multiple of the local interval, which is 1 at step 3, 2 at step 4
+  and 4 from step 5 on: syncs at steps 3, 7, 11, … (``t % 4 == 3``). The
+  default run's timed steps (3..7) send ``onebit, none, none, none,
+  onebit``: 2 of 1-bit Adam's 5 averages, 0.4 of its bytes (1/4 over a
+  multiple of 4 steps); the smoke's (2..4) ``psum, onebit, none``. A
+  row's ``sends`` lists its timed steps' (:mod:`_onebit_sends`), and the
+  test checks its traffic log against them;
 
 and the DeepSpeed anchors (:data:`DEEPSPEED`), on its CPU accelerator
 (``DS_ACCELERATOR=cpu``) over gloo, with ``torch.optim.AdamW`` as the
@@ -43,7 +61,9 @@ those under 100k elements whole on every rank, most of this model):
   zero_hpz_partition_size: 2, zero_quantized_gradients: true}`` (a node's
   2 ranks hold the secondary copy);
 - ``deepspeed-onebit-adam``: ``optimizer: {type: OneBitAdam}`` (stage 0,
-  its ``compressed`` comm backend).
+  its ``compressed`` comm backend);
+- ``deepspeed-zero-one-adam``: ``optimizer: {type: ZeroOneAdam}`` with
+  :data:`ZERO_ONE`'s schedule (likewise).
 
 A DeepSpeed layout that fails to start (to build, or to take its first
 step) is recorded as skipped: ``skipped`` is the exception's last line,
@@ -86,13 +106,14 @@ Losses: the exact layouts (all but the quantized) start from the same
 weights and batch, so their first losses agree with ``zero3``'s to 1e-4
 and their last ones to 1e-3 (fp32 sums in other orders over a few AdamW
 steps); the quantized ones' to 2 % (int8 weights, ``docs/comm.md``);
-1-bit Adam's first loss to 1e-4 (its last is its own: another optimizer). A
+1-bit and 0/1 Adam's first loss to 1e-4 (their last is their own: other
+optimizers). A
 layout outside that fails the run (exit code 1) with a ``warning``. A
 readable table goes to stderr.
 
     python benchmarks/comm.py --repeats 3 --json benchmarks/results/comm.json
     python benchmarks/comm.py --speeds 100mbit --layouts zero3,zeropp,deepspeed-zeropp
-    python benchmarks/comm.py --smoke    # tiny GPT, 1gbit only, 2 steps: 30–50 s
+    python benchmarks/comm.py --smoke    # tiny GPT, 1gbit only, 1 + 3 steps: 30–60 s
 
 Needs root (network namespaces, ``tc``); elsewhere it prints why and exits 0.
 """
@@ -126,6 +147,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from _data import MICRO_BATCH, batch, load_tokens, model_facts
+from _onebit_sends import onebit_adam_sends, zero_one_adam_sends
 from gpt import PRESETS, GPTConfig, param_count
 from train import (
     BETAS,
@@ -178,10 +200,38 @@ def _onebit_adam() -> Any:
                                 freeze_step=ONEBIT_FREEZE)  # fmt: skip
 
 
-OTHER_OPTIMIZER = {"onebit-adam", "deepspeed-onebit-adam"}
+ZERO_ONE = {"var_freeze_step": 2, "local_step_scaler": 1, "local_step_clipper": 4}
+"""0/1 Adam's schedule here: the variance frozen after step 2, a 1-bit sync
+every H = 4 steps from step 3 (the module's docstring)."""
+
+
+def _zero_one_adam() -> Any:
+    """0/1 Adam with :data:`ZERO_ONE`'s schedule and AdamW's settings."""
+    return sx.optim.zero_one_adam(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS,
+                                  weight_decay=WEIGHT_DECAY, **ZERO_ONE)  # fmt: skip
+
+
+def _partial_grads(opt: Callable[[], Any]) -> Callable[[GPTConfig, int, sx.Mesh, sx.Rules], Step]:
+    """The train step of an optimizer that averages the gradients itself:
+    ``opt()`` on gradients left partial over dp."""
+    return lambda cfg, seed, mesh, rules: _shardax_step(
+        cfg, seed, mesh, rules, _loss, opt=opt(), unreduced=("dp",)
+    )
+
+
+SENDS: dict[str, Callable[[int], list[str]]] = {
+    "onebit-adam": lambda n: onebit_adam_sends(n, freeze_step=ONEBIT_FREEZE),
+    "zero-one-adam": lambda n: zero_one_adam_sends(n, **ZERO_ONE),
+}
+"""What the 1-bit layouts send on steps 1..n (``psum``, ``onebit`` or
+``none``, :mod:`_onebit_sends`): a row's ``sends`` are its timed steps'."""
+
+OTHER_OPTIMIZER = {"onebit-adam", "deepspeed-onebit-adam", "zero-one-adam",
+                   "deepspeed-zero-one-adam"}  # fmt: skip
 """Layouts training with another optimizer than AdamW: their first loss is
 ``zero3``'s (the same weights and batch), their last one is their own (1-bit
-Adam's frozen variance, after a 2-step warm-up, takes larger steps)."""
+Adam's frozen variance, after a 2-step warm-up, takes larger steps; 0/1
+Adam's likewise, its ranks stepping apart between syncs)."""
 
 NODE_LOCAL = {"node": NODES, "local": NPROC_PER_NODE}
 BOTH = ("node", "local")
@@ -214,9 +264,13 @@ LAYOUTS: dict[str, Layout] = {
         mesh={"dp": NODES * NPROC_PER_NODE},
         rules=lambda: sx.rules.zero(0),
         exact=False,
-        setup=lambda cfg, seed, mesh, rules: _shardax_step(
-            cfg, seed, mesh, rules, _loss, opt=_onebit_adam(), unreduced=("dp",)
-        ),
+        setup=_partial_grads(_onebit_adam),
+    ),
+    "zero-one-adam": Layout(
+        mesh={"dp": NODES * NPROC_PER_NODE},
+        rules=lambda: sx.rules.zero(0),
+        exact=False,
+        setup=_partial_grads(_zero_one_adam),
     ),
 }
 """The shardax layouts, in the order they run."""
@@ -249,13 +303,29 @@ DEEPSPEED: dict[str, dict[str, Any]] = {
             },
         },
     },
+    "deepspeed-zero-one-adam": {
+        "zero_optimization": {"stage": 0},
+        "optimizer": {
+            "type": "ZeroOneAdam",
+            "params": {
+                "lr": LR,
+                "betas": list(BETAS),
+                "eps": EPS,
+                "weight_decay": WEIGHT_DECAY,
+                **ZERO_ONE,
+                "cuda_aware": False,
+                "comm_backend_name": "compressed",
+            },
+        },
+    },
 }
 """DeepSpeed's configs for its layouts (over ``train.py``'s base config)."""
-INEXACT_DEEPSPEED = {"deepspeed-zeropp", "deepspeed-onebit-adam"}
+INEXACT_DEEPSPEED = {"deepspeed-zeropp", "deepspeed-onebit-adam", "deepspeed-zero-one-adam"}
 COUNTERPARTS = {
     "zero3": "deepspeed-zero3",
     "zeropp": "deepspeed-zeropp",
     "onebit-adam": "deepspeed-onebit-adam",
+    "zero-one-adam": "deepspeed-zero-one-adam",
 }
 """Each shardax layout's DeepSpeed anchor: the summary's ``tokens_per_s_vs_<anchor>``."""
 ALL_LAYOUTS = [*LAYOUTS, *DEEPSPEED]
@@ -270,7 +340,7 @@ CROSSING: dict[tuple[str, tuple[str, ...]], float] = {
        for axis in ("local", "fsdp")},  # within a node: shared memory
     # qgZ: the log counts what this rank sends; both of a node's ranks send across
     ("ragged_all_to_all", ("node",)): float(NPROC_PER_NODE),
-    # over dp = 4 ranks (zero0, 1-bit Adam): an all-reduce as over both axes; the 1-bit
+    # over dp = 4 ranks (zero0, 1-bit and 0/1 Adam): an all-reduce as over both axes; the 1-bit
     # all-to-all sends 2 of its 4 rows across from each rank; its all-gather is gloo's ring
     **{(op, ("dp",)): 1.0 for op in ("psum", "pmean", "all_to_all")},
     ("all_gather", ("dp",)): 0.75,
@@ -458,6 +528,8 @@ def run_layout(layout: str, cfg: GPTConfig, tokens: torch.Tensor, args: argparse
         result["across_formula"] = formula
         if formula:
             result["across_vs_formula"] = result["bytes_across"] / formula
+        if layout in SENDS:
+            result["sends"] = SENDS[layout](args.warmup + args.steps)[args.warmup :]
     elif torch_counts is not None:  # torch.distributed's calls, by op and group size
         calls = {k: n for k, n in counted.items() if n and k.endswith(":calls")}
         result["traffic_bytes"] = {k: n / args.steps for k, n in counted.items()
@@ -661,7 +733,8 @@ def loss_warnings(per: dict[str, dict], speed: str) -> list[str]:
 
 def medians(ok: list[dict]) -> dict:
     """One (speed, layout)'s runs summed up: medians of tokens/s, step time,
-    bytes across and the last loss; the first run's first loss and traffic."""
+    bytes across and the last loss; the first run's first loss, traffic and
+    sends."""
     stats = {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
         "step_s": statistics.median(r["step_s"] for r in ok),
@@ -672,6 +745,8 @@ def medians(ok: list[dict]) -> dict:
     }
     if "traffic_bytes" in ok[0]:
         stats["traffic_bytes"] = ok[0]["traffic_bytes"]
+    if "sends" in ok[0]:
+        stats["sends"] = ok[0]["sends"]
     if "across_formula" in ok[0]:
         stats["across_formula"] = ok[0]["across_formula"]
         if ok[0]["across_formula"]:
@@ -727,7 +802,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--data", default=str(DATA), help="a text file, read as bytes")
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny GPT, 1gbit only, 2 steps, 1 repeat")  # fmt: skip
+                        help="tiny GPT, 1gbit only, 1 + 3 steps, 1 repeat")  # fmt: skip
     parser.add_argument("--fresh", action="store_true",
                         help="each shardax layout in processes of its own (default: one launch "
                         "runs them all in turn, as each DeepSpeed layout runs alone)")  # fmt: skip
@@ -739,7 +814,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.preset, args.steps, args.warmup, args.repeats = "tiny", 2, 1, 1
+        # 3 timed steps: 0/1 Adam's (2..4) send fp32, 1 bit, then nothing (a local step)
+        args.preset, args.steps, args.warmup, args.repeats = "tiny", 3, 1, 1
         args.speeds = args.speeds or "1gbit"
     args.speeds = args.speeds.split(",") if args.speeds else list(SPEEDS)
     args.layouts = args.layouts.split(",") if args.layouts else list(ALL_LAYOUTS)
