@@ -15,7 +15,8 @@ from typing import Any
 import click
 
 from ._bad_setting import BadSetting
-from .ckpt._cli import ckpt_command
+from .ckpt._cli import RUN_CONFIG, ckpt_command
+from .config import RunConfig, from_deepspeed, load_config
 from .config._cli import _config_cli
 from .errors import USER_ERRORS, debugging
 from .launch._cli import launch_command
@@ -55,8 +56,17 @@ def _debug(ctx: click.Context, _param: Any, value: bool) -> bool:
     "--debug", is_flag=True, expose_value=False, is_eager=True, callback=_debug,
     help="Show the Python traceback of an error (also SHARDAX_DEBUG=1).",
 )  # fmt: skip
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """shardax: JAX-style functional sharding for PyTorch."""
+    ctx.meta[RUN_CONFIG] = _run_config  # for `ckpt import --from-deepspeed`, a layer below config
+
+
+def _run_config(source: Any) -> RunConfig:
+    """A run config: an hjson file read, or a DeepSpeed config (a dict) converted."""
+    if isinstance(source, dict):
+        return RunConfig.from_dict(from_deepspeed(source)[0], "the DeepSpeed config")
+    return load_config(source)
 
 
 main.add_command(launch_command, "launch")

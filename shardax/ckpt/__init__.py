@@ -5,9 +5,14 @@ once; ``load`` reads into any mesh and layout, each rank reading only what
 overlaps its pieces; ``CheckpointManager`` numbers, prunes and resumes;
 ``read_index`` gives the parsed index. A checkpoint is never unpickled. The
 ``shardax ckpt`` command line inspects, verifies, reshards, consolidates and
-imports checkpoints.
+imports checkpoints; ``import_deepspeed`` turns a DeepSpeed ZeRO checkpoint
+(``read_deepspeed``) into a training state to continue from.
 """
 
+from ._deepspeed import deepspeed_state as deepspeed_state
+from ._deepspeed import import_deepspeed as import_deepspeed
+from ._deepspeed_read import DeepSpeedCheckpoint as DeepSpeedCheckpoint
+from ._deepspeed_read import read_deepspeed as read_deepspeed
 from ._format import Box as Box
 from ._format import Index as Index
 from ._format import TensorEntry as TensorEntry
@@ -30,13 +35,17 @@ __all__ = [
     "AsyncSave",
     "Box",
     "CheckpointManager",
+    "DeepSpeedCheckpoint",
     "Index",
     "TensorEntry",
     "ValueEntry",
     "consolidate",
+    "deepspeed_state",
+    "import_deepspeed",
     "import_dense",
     "load",
     "model_metadata",
+    "read_deepspeed",
     "read_index",
     "reshard",
     "save",

@@ -1,6 +1,8 @@
 """The ``shardax ckpt`` commands: inspect, verify, reshard, consolidate,
-import. Thin click wrappers over :mod:`shardax.ckpt`; none needs a process
-group, and none unpickles or runs code from a checkpoint.
+import (dense weights, or a DeepSpeed checkpoint with ``--from-deepspeed``).
+Thin click wrappers over :mod:`shardax.ckpt`; none needs a process group,
+and none runs code from a checkpoint (pickles are read with
+``weights_only=True``).
 
 >>> from click.testing import CliRunner
 >>> result = CliRunner().invoke(ckpt_command, ["reshard", "a", "b", "--mesh", "dp=two"])
@@ -22,9 +24,10 @@ from typing import Any
 import click
 
 from .._bad_setting import BadSetting
-from ..errors import CheckpointError, MeshError, ShardingError
+from ..errors import CheckpointError, ConfigError, MeshError, ShardingError
 from ..mesh._mesh import AbstractMesh
 from ..shard._matching import Rule, Rules
+from ._deepspeed_cli import RUN_CONFIG, import_deepspeed_command
 from ._format import ValueEntry, live_dir, parse_dtype, read_index
 from ._offline import (
     as_rules,
@@ -38,7 +41,7 @@ from ._offline import (
 )
 from ._save import check_replaceable
 
-__all__ = ["ckpt_command", "load_rules", "parse_mesh"]
+__all__ = ["RUN_CONFIG", "ckpt_command", "load_rules", "parse_mesh"]
 
 _MIB = 1 << 20
 
@@ -164,6 +167,7 @@ def ckpt_command() -> None:
       shardax ckpt reshard ckpt/ ckpt-tp2/ --mesh dp=4,tp=2 --rules mypkg.sharding:RULES
       shardax ckpt consolidate ckpt/ model.safetensors --only params --dtype bf16
       shardax ckpt import model.safetensors ckpt/ --mesh dp=8 --specs specs.json --prefix params
+      shardax ckpt import --from-deepspeed ds_ckpt/ ckpt/ --config run.hjson
 
     See docs/ckpt.md for the format.
     """
@@ -450,9 +454,22 @@ def consolidate_command(
 
 
 @ckpt_command.command("import")
-@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("src", type=click.Path(exists=True))
 @click.argument("dst", type=click.Path())
-@_mesh_option(required=True)
+@click.option(
+    "--from-deepspeed",
+    is_flag=True,
+    help="SRC is a DeepSpeed ZeRO checkpoint (its tag directory, or the folder holding "
+    "`latest`): write the training state to continue from — params, optimizer state, step.",
+)
+@click.option(
+    "--config",
+    type=click.Path(exists=True, dir_okay=False),
+    help="With --from-deepspeed: the run config (hjson) the run continues with; its optimizer, "
+    "precision, rules and mesh shape the state.  [default: the DeepSpeed config the checkpoint "
+    "recorded, converted]",
+)
+@_mesh_option(required=False)
 @_RULES
 @_SPECS
 @click.option("--prefix", metavar="KEY", help="Nest every tensor under this key (e.g. params).")
@@ -460,10 +477,14 @@ def consolidate_command(
 @_FORCE
 @_COMMON["buffer"]
 @_COMMON["quiet"]
+@click.pass_context
 def import_command(
+    ctx: click.Context,
     src: str,
     dst: str,
-    mesh: AbstractMesh,
+    from_deepspeed: bool,
+    config: str | None,
+    mesh: AbstractMesh | None,
     rules: str | None,
     specs: str | None,
     prefix: str | None,
@@ -476,12 +497,45 @@ def import_command(
     state dict, loaded with weights_only=True) into a sharded checkpoint DST
     for MESH, to start sharded training from pretrained weights.
 
+    With --from-deepspeed, SRC is a DeepSpeed ZeRO-1/2/3 (or universal)
+    checkpoint and DST the training state {params, opt_state, step} a run of
+    --config resumes from on any mesh (examples/train_gpt.py --config FILE
+    --resume DST), DeepSpeed's loss scaler and LR scheduler in its metadata.
+    Its pickles are read with weights_only=True allowing only DeepSpeed's own
+    classes: nothing in them runs, and DeepSpeed need not be installed.
+
     \b
     Examples:
       shardax ckpt import model.safetensors ckpt/ --mesh dp=8 --prefix params
       shardax ckpt import pytorch_model.bin ckpt/ --mesh dp=4,tp=2 --rules mypkg.sharding:RULES
+      shardax ckpt import --from-deepspeed ds_ckpt/ ckpt/ --config run.hjson
     """
     _check_dtype(dtype)
+    if from_deepspeed:
+        if prefix is not None or dtype is not None:
+            raise click.UsageError(
+                "--prefix and --dtype do not apply to --from-deepspeed: the state's keys are "
+                "params, opt_state and step, its params in the run config's precision"
+            )
+        _check_dst(dst, force)
+        target = _target_rules(rules, specs) if rules or specs else None
+        try:
+            lines = import_deepspeed_command(
+                ctx.meta.get(RUN_CONFIG), src, dst, config, mesh, target, buffer_mib * _MIB
+            )
+        except (CheckpointError, ConfigError, ShardingError) as e:
+            _fail(e)
+        click.echo("\n".join(lines))
+        return
+    if config is not None:
+        raise click.UsageError("--config goes with --from-deepspeed")
+    if Path(src).is_dir():
+        raise click.BadParameter(
+            f"{src} is a directory; for a DeepSpeed checkpoint pass --from-deepspeed",
+            param_hint="SRC",
+        )
+    if mesh is None:
+        raise click.UsageError("Missing option '--mesh' (the mesh to lay the weights out for).")
     _check_dst(dst, force)
     target = _target_rules(rules, specs)
     try:
