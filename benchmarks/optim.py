@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -78,21 +79,28 @@ def gpt_shapes(n: int, layers: int = 12) -> list[tuple[int, ...]]:
     return block * layers
 
 
-def _muon(n: int) -> tuple[Callable[[], None], Callable[[], None], dict[str, float]]:
+def _shardax_muon(params: dict, grads: dict, ns_dtype: torch.dtype) -> tuple[Callable, Any]:
+    """A step of ``optim.muon`` with its Newton–Schulz in ``ns_dtype``, and its state."""
+    opt = sx.optim.muon(0.02, weight_decay=0.1, ns_dtype=ns_dtype)
+    box = {"params": dict(params), "state": opt.init(params)}
+
+    def step() -> None:
+        box["params"], box["state"] = sx.optim.step(opt, grads, box["state"], box["params"])
+
+    return step, box
+
+
+def _muon(n: int) -> tuple[dict[str, Callable[[], None]], dict[str, float]]:
     """Muon on a GPT's leaves (:func:`gpt_shapes`, about ``n`` elements):
-    shardax's ``optim.muon`` (fp32 Newton–Schulz) and torch's
-    ``optim.Muon(adjust_lr_fn="match_rms_adamw")`` for the matrices with
-    ``optim.AdamW`` for the rest — the same arithmetic, torch's iteration in
-    bf16 — and the optimizer state each keeps, in bytes per parameter."""
+    shardax's ``optim.muon`` with its Newton–Schulz in fp32 (its default)
+    and in bf16, and torch's ``optim.Muon(adjust_lr_fn="match_rms_adamw")``
+    (bf16) for the matrices with ``optim.AdamW`` for the rest — the same
+    arithmetic — and the optimizer state each keeps, in bytes per parameter."""
     shapes = gpt_shapes(n)
     params = {f"blocks.{i}.w": torch.randn(s) for i, s in enumerate(shapes)}
     grads = {k: torch.randn(v.shape) for k, v in params.items()}
-    opt = sx.optim.muon(0.02, weight_decay=0.1)
-    state = opt.init(params)
-
-    def ours() -> None:
-        nonlocal params, state
-        params, state = sx.optim.step(opt, grads, state, params)
+    ours, box = _shardax_muon(params, grads, torch.float32)
+    ours_bf16, _ = _shardax_muon(params, grads, torch.bfloat16)
 
     ps = [torch.nn.Parameter(v.clone()) for v in params.values()]
     for p, g in zip(ps, grads.values(), strict=True):
@@ -108,7 +116,7 @@ def _muon(n: int) -> tuple[Callable[[], None], Callable[[], None], dict[str, flo
     numel = sum(p.numel() for p in ps)
     ours()  # the state exists after a step (torch's lazily)
     theirs()
-    held = [t for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor) and t.ndim]
+    held = [t for t in optree.tree_leaves(box["state"]) if isinstance(t, torch.Tensor) and t.ndim]
     torch_held = [t for st in (*muon.state.values(), *adamw.state.values())
                   for t in st.values() if isinstance(t, torch.Tensor) and t.ndim]  # fmt: skip
     table = sx.explain({k: torch.empty(v.shape, device="meta") for k, v in params.items()},
@@ -120,7 +128,9 @@ def _muon(n: int) -> tuple[Callable[[], None], Callable[[], None], dict[str, flo
         "explain": max(dict(table.roles)["opt_state"]) / numel,
         "adamw": 8.0,
     }
-    return ours, theirs, state_bytes
+    steps = {"shardax_muon_gpt_leaves": ours, "shardax_muon_bf16_gpt_leaves": ours_bf16,
+             "torch_muon_gpt_leaves": theirs}  # fmt: skip
+    return steps, state_bytes
 
 
 def _sizes(n: int, leaves: str) -> list[int]:
@@ -180,7 +190,7 @@ def _measure(numel: int, reps: int, seed: int) -> tuple[dict[str, list[float]], 
         "shardax_step_gpt_leaves": _shardax(numel, True, True, leaves="gpt"),
         "torch_fused_gpt_leaves": _torch(numel, "gpt", fused=True),
     }
-    steps["shardax_muon_gpt_leaves"], steps["torch_muon_gpt_leaves"], _ = _muon(numel)
+    steps.update(_muon(numel)[0])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _deepspeed import cpu_adamw
 
@@ -371,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "deepspeed": {"skipped": ds_skipped},
         "stream": {"GBps": stream_gbps, **stream},
         "results": rows,
-        "muon": {**muon, "state_bytes_per_param": _muon(min(numel, 1_000_000))[2]},
+        "muon": {**muon, "state_bytes_per_param": _muon(min(numel, 1_000_000))[1]},
     }
     print(
         f"AdamW step, {numel:,} fp32 elements, {args.threads} threads, median of {reps} "

@@ -82,9 +82,10 @@ def newton_schulz(
     if tall:
         x = x.mT
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    fma = torch.addmm if x.ndim == 2 else torch.baddbmm  # beta * input + alpha * m1 @ m2
     for _ in range(steps):
         gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = fma(x, fma(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 
 
