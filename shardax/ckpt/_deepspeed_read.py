@@ -275,20 +275,28 @@ def _step(value: Any) -> int:
     return int(value.item() if isinstance(value, torch.Tensor) else value)
 
 
-def _zero12(model: Mapping[str, Any], opts: list[Mapping[str, Any]], files: list[Path]) -> Any:
-    """ZeRO-1/2: each group's flat vector is its ranks' partitions end to end."""
-    shapes = model["param_shapes"]
-    first = opts[0]
-    flats = [o["single_partition_of_fp32_groups"] for o in opts]
+def _flat_groups(
+    shapes: list, opts: list[Mapping[str, Any]], files: list[Path], flat_key: str, state_key: str
+) -> tuple[list, list]:
+    """Each rank's flat fp32 groups (under ``flat_key``) and its optimizer
+    state's moments per group (under ``state_key``), checked against the
+    model states' groups of ``param_shapes``."""
+    flats = [o[flat_key] for o in opts]
     if any(len(f) != len(shapes) for f in flats):
         raise CheckpointError(
             f"{files[0]}: {len(flats[0])} flat groups for {len(shapes)} groups of param_shapes in "
             "the model states: files of different runs?"
         )
-    bases = [
-        _moments(o["base_optimizer_state"], len(shapes), f)
-        for o, f in zip(opts, files, strict=True)
-    ]
+    bases = [_moments(o[state_key], len(shapes), f) for o, f in zip(opts, files, strict=True)]
+    return flats, bases
+
+
+def _zero12(model: Mapping[str, Any], opts: list[Mapping[str, Any]], files: list[Path]) -> Any:
+    """ZeRO-1/2: each group's flat vector is its ranks' partitions end to end."""
+    shapes = model["param_shapes"]
+    first = opts[0]
+    flats, bases = _flat_groups(shapes, opts, files, "single_partition_of_fp32_groups",
+                           "base_optimizer_state")  # fmt: skip
     paddings = first.get("param_alignment_paddings")
     params: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
@@ -320,16 +328,7 @@ def _zero3(model: Mapping[str, Any], opts: list[Mapping[str, Any]], files: list[
     elements of every rank's flat vector, at the same offset on each."""
     world = len(opts)
     shapes = model["param_shapes"]  # one ordered dict per sub-group
-    flats = [o["fp32_flat_groups"] for o in opts]
-    if any(len(f) != len(shapes) for f in flats):
-        raise CheckpointError(
-            f"{files[0]}: {len(flats[0])} flat groups for {len(shapes)} groups of param_shapes in "
-            "the model states: files of different runs?"
-        )
-    bases = [
-        _moments(o["optimizer_state_dict"], len(shapes), f)
-        for o, f in zip(opts, files, strict=True)
-    ]
+    flats, bases = _flat_groups(shapes, opts, files, "fp32_flat_groups", "optimizer_state_dict")
     params: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
     steps: dict[str, int] = {}

@@ -142,59 +142,44 @@ _LAMB_KEYS = (
 )
 
 
-_ZERO_ONE_KEYS = ("var_update_scaler", "local_step_scaler", "local_step_clipper")
+def _setting(key: str, kind: Any, value: Any, positive: bool) -> Any:
+    """One setting of a sub-object: one of the choices ``kind`` (a tuple),
+    or a bool, an int or a float (positive where ``positive``)."""
+    if isinstance(kind, tuple):
+        if value not in kind:
+            raise ConfigError(f"{key} is one of {kind}; got {value!r}")
+        return value
+    if kind is bool:
+        return _as_bool(key)(value)
+    number = (_as_int if kind is int else _as_float)(key)(value)
+    if positive and not number > 0:
+        raise ConfigError(f"{key} must be positive; got {number!r}")
+    return number
 
 
-def _zero_one_settings(value: Any) -> dict[str, int]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"zero_one is an object of ints; got {value!r}")
-    unknown = sorted(set(value) - set(_ZERO_ONE_KEYS))
-    if unknown:
-        raise ConfigError(f"zero_one: unknown {unknown}; it takes {', '.join(_ZERO_ONE_KEYS)}")
-    out = {k: _as_int(f"zero_one.{k}")(v) for k, v in value.items()}
-    for k, v in out.items():
-        if v < 1:
-            raise ConfigError(f"zero_one.{k} must be >= 1; got {v}")
-    return out
+def _sub_settings(name: str, kinds: dict[str, Any], positive: bool = True) -> Any:
+    """The converter of an optimizer's sub-object ``name`` of the settings ``kinds``."""
+
+    def convert(value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} is an object of settings; got {value!r}")
+        unknown = sorted(set(value) - set(kinds))
+        if unknown:
+            raise ConfigError(f"{name}: unknown {unknown}; it takes {', '.join(kinds)}")
+        return {k: _setting(f"{name}.{k}", kinds[k], v, positive) for k, v in value.items()}
+
+    return convert
 
 
-_MUON_KEYS = {"scale": ("moonlight", "spectral"), "ns_steps": int, "nesterov": bool,
-              "rms_scale": float, "adam_lr": float}  # fmt: skip
-
-
-def _muon_settings(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"muon is an object of settings; got {value!r}")
-    unknown = sorted(set(value) - set(_MUON_KEYS))
-    if unknown:
-        raise ConfigError(f"muon: unknown {unknown}; it takes {', '.join(_MUON_KEYS)}")
-    out: dict[str, Any] = {}
-    for k, v in value.items():
-        kind = _MUON_KEYS[k]
-        if isinstance(kind, tuple):
-            if v not in kind:
-                raise ConfigError(f"muon.{k} is one of {kind}; got {v!r}")
-            out[k] = v
-        elif kind is bool:
-            out[k] = _as_bool(f"muon.{k}")(v)
-        elif kind is int:
-            out[k] = _as_int(f"muon.{k}")(v)
-            if out[k] < 1:
-                raise ConfigError(f"muon.{k} must be >= 1; got {out[k]}")
-        else:
-            out[k] = _as_float(f"muon.{k}")(v)
-            if not out[k] > 0:
-                raise ConfigError(f"muon.{k} must be positive; got {out[k]}")
-    return out
-
-
-def _lamb_settings(value: Any) -> dict[str, float]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"lamb is an object of numbers; got {value!r}")
-    unknown = sorted(set(value) - set(_LAMB_KEYS))
-    if unknown:
-        raise ConfigError(f"lamb: unknown {unknown}; it takes {', '.join(_LAMB_KEYS)}")
-    return {k: _as_float(f"lamb.{k}")(v) for k, v in value.items()}
+_zero_one_settings = _sub_settings(
+    "zero_one", dict.fromkeys(("var_update_scaler", "local_step_scaler", "local_step_clipper"), int)
+)
+_muon_settings = _sub_settings(
+    "muon",
+    {"scale": ("moonlight", "spectral"), "ns_steps": int, "nesterov": bool, "rms_scale": float,
+     "adam_lr": float},
+)  # fmt: skip
+_lamb_settings = _sub_settings("lamb", dict.fromkeys(_LAMB_KEYS, float), positive=False)
 
 
 @attrs.frozen

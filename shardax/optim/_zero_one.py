@@ -121,7 +121,7 @@ def _param_locals(params: Any, mus: list, what: str) -> list[torch.Tensor]:
     return out
 
 
-def scale_by_zero_one_adam(
+def zero_one_adam(
     learning_rate: float | Schedule,
     b1: float = 0.9,
     b2: float = 0.999,
@@ -136,9 +136,80 @@ def scale_by_zero_one_adam(
     momentum_mask: Any = None,
     max_grad_norm: float | None = None,
 ) -> GradientTransformation:
-    """:func:`zero_one_adam`'s one transformation: the learning rate and the
-    weight decay are in it, since the local steps' change that the ranks
-    sync includes both."""
+    """0/1 Adam (Lu et al. 2022), as DeepSpeed's ``ZeroOneAdam``: Adam whose
+    data-parallel traffic is 1 bit per element on all but a few steps, with
+    no full-precision warm-up.
+
+    - **Steps 1 .. var_freeze_step.** On every ``var_interval``-th step the
+      gradient is averaged in full precision and both moments are updated;
+      on the others it is averaged in 1 bit
+      (:func:`~shardax.collectives.onebit_pmean`, with error feedback) and
+      only the momentum is. ``var_interval`` starts at 1 and doubles after
+      every ``var_update_scaler`` variance updates, so the full-precision
+      steps grow exponentially rarer. Every rank takes the same step.
+    - **After var_freeze_step** the variance is frozen and each rank steps
+      with its own gradient and momentum (local steps); every
+      ``local_interval``-th step the ranks average, in 1 bit, the change
+      each made since the last sync (scaled by ``sqrt(nu) + eps``), go back
+      to the last synced params plus that mean, and set the momentum to it
+      over the summed learning rates. ``local_interval`` starts at 1 and
+      doubles, up to ``local_step_clipper``, every ``local_step_scaler``
+      steps.
+
+    The step is ``-lr * (m / (sqrt(v) + eps) + weight_decay * p)``, with no
+    bias correction (DeepSpeed's arithmetic, whatever its
+    ``bias_correction`` flag says). Unlike DeepSpeed, the first step updates
+    the params (DeepSpeed's first only initializes buffers); the schedules
+    are DeepSpeed's, on its count: step ``t`` here is its step ``t + 1``, so
+    the same steps go full precision, freeze and sync.
+
+    **Diverged params.** Once the local interval exceeds 1, the ranks hold
+    different params between syncs; even after a sync they may differ in
+    the last bit (each undoes its own change). The updates, the params
+    they give (:func:`~shardax.optim.apply_updates`) and the momentum are
+    then laid out *diverged* over ``axis``: each rank computes with its own
+    copy, and whatever needs the whole value (:func:`shardax.gather`,
+    :func:`shardax.ckpt.save`) takes the ranks' mean — the value the next
+    sync would give without compression. A restored run starts every rank
+    from those means (DeepSpeed starts them from rank 0's copy).
+
+    **Gradients** are each rank's own contribution, partial over ``axis``,
+    as for :func:`~shardax.optim.onebit_adam`
+    (``value_and_grad(..., unreduced=axis)``); a gradient already summed is
+    refused by name. The state is whole on every rank of ``axis`` (no ZeRO
+    over it).
+
+    Args:
+        learning_rate: a number or a schedule (step -> value).
+        b1, b2, eps: Adam's.
+        weight_decay: decoupled weight decay (then ``update`` needs the params).
+        var_freeze_step: the last step that may update the variance.
+        var_update_scaler: variance updates before their interval doubles
+            (the paper's kappa).
+        local_step_scaler: steps before the local interval doubles.
+        local_step_clipper: the largest local interval (the paper's H).
+        axis: the data-parallel mesh axis, or a tuple of axes.
+        momentum_mask: as :func:`~shardax.optim.onebit_adam`'s, multiplied
+            into every 1-bit average.
+        max_grad_norm: clip the gradient as DeepSpeed's
+            ``gradient_clipping`` does: the averaged one by its global norm
+            on full-precision steps, each rank's own by its own norm on the
+            others.
+
+    >>> import torch, shardax as sx
+    >>> mesh = sx.Mesh({"dp": 1})
+    >>> opt = sx.optim.zero_one_adam(0.1, var_freeze_step=2, local_step_scaler=1)
+    >>> params = {"w": sx.shard(torch.ones(3), mesh, sx.P())}
+    >>> state = opt.init(params)
+    >>> for g in ([1.0, -1.0, 2.0], [2.0, -1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 0.5, 0.5]):
+    ...     grad = sx.Sharded(torch.tensor(g), sx.Layout(mesh, sx.P(), partial="dp"), (3,))
+    ...     updates, state = opt.update({"w": grad}, state, params)
+    ...     params = sx.optim.apply_updates(params, updates)
+    >>> state.policy                      # the local interval doubled after steps 3 and 4
+    tensor([1, 2, 4, 0])
+    >>> params["w"].layout                # step 4 was a local step: each rank's own copy
+    Layout(Mesh({'dp': 1}), P(), diverged=('dp',))
+    """
     var_freeze_step = _positive_int("var_freeze_step", var_freeze_step)
     b1, b2, eps, axes = _settings(b1, b2, eps, var_freeze_step, axis)
     weight_decay = validate("weight_decay", weight_decay)
@@ -273,100 +344,3 @@ def _is_apart(x: Any) -> bool:
 
 def _settled(x: Any) -> Any:
     return x if not isinstance(x, Sharded) else Sharded(x.local, x.layout.settled(), x.shape)
-
-
-def zero_one_adam(
-    learning_rate: float | Schedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    *,
-    var_freeze_step: int,
-    var_update_scaler: int = 16,
-    local_step_scaler: int = 32678,
-    local_step_clipper: int = 16,
-    axis: Axis = "dp",
-    momentum_mask: Any = None,
-    max_grad_norm: float | None = None,
-) -> GradientTransformation:
-    """0/1 Adam (Lu et al. 2022), as DeepSpeed's ``ZeroOneAdam``: Adam whose
-    data-parallel traffic is 1 bit per element on all but a few steps, with
-    no full-precision warm-up.
-
-    - **Steps 1 .. var_freeze_step.** On every ``var_interval``-th step the
-      gradient is averaged in full precision and both moments are updated;
-      on the others it is averaged in 1 bit
-      (:func:`~shardax.collectives.onebit_pmean`, with error feedback) and
-      only the momentum is. ``var_interval`` starts at 1 and doubles after
-      every ``var_update_scaler`` variance updates, so the full-precision
-      steps grow exponentially rarer. Every rank takes the same step.
-    - **After var_freeze_step** the variance is frozen and each rank steps
-      with its own gradient and momentum (local steps); every
-      ``local_interval``-th step the ranks average, in 1 bit, the change
-      each made since the last sync (scaled by ``sqrt(nu) + eps``), go back
-      to the last synced params plus that mean, and set the momentum to it
-      over the summed learning rates. ``local_interval`` starts at 1 and
-      doubles, up to ``local_step_clipper``, every ``local_step_scaler``
-      steps.
-
-    The step is ``-lr * (m / (sqrt(v) + eps) + weight_decay * p)``, with no
-    bias correction (DeepSpeed's arithmetic, whatever its
-    ``bias_correction`` flag says). Unlike DeepSpeed, the first step updates
-    the params (DeepSpeed's first only initializes buffers); the schedules
-    are DeepSpeed's, on its count: step ``t`` here is its step ``t + 1``, so
-    the same steps go full precision, freeze and sync.
-
-    **Diverged params.** Once the local interval exceeds 1, the ranks hold
-    different params between syncs; even after a sync they may differ in
-    the last bit (each undoes its own change). The updates, the params
-    they give (:func:`~shardax.optim.apply_updates`) and the momentum are
-    then laid out *diverged* over ``axis``: each rank computes with its own
-    copy, and whatever needs the whole value (:func:`shardax.gather`,
-    :func:`shardax.ckpt.save`) takes the ranks' mean — the value the next
-    sync would give without compression. A restored run starts every rank
-    from those means (DeepSpeed starts them from rank 0's copy).
-
-    **Gradients** are each rank's own contribution, partial over ``axis``,
-    as for :func:`~shardax.optim.onebit_adam`
-    (``value_and_grad(..., unreduced=axis)``); a gradient already summed is
-    refused by name. The state is whole on every rank of ``axis`` (no ZeRO
-    over it).
-
-    Args:
-        learning_rate: a number or a schedule (step -> value).
-        b1, b2, eps: Adam's.
-        weight_decay: decoupled weight decay (then ``update`` needs the params).
-        var_freeze_step: the last step that may update the variance.
-        var_update_scaler: variance updates before their interval doubles
-            (the paper's kappa).
-        local_step_scaler: steps before the local interval doubles.
-        local_step_clipper: the largest local interval (the paper's H).
-        axis: the data-parallel mesh axis, or a tuple of axes.
-        momentum_mask: as :func:`~shardax.optim.onebit_adam`'s, multiplied
-            into every 1-bit average.
-        max_grad_norm: clip the gradient as DeepSpeed's
-            ``gradient_clipping`` does: the averaged one by its global norm
-            on full-precision steps, each rank's own by its own norm on the
-            others.
-
-    >>> import torch, shardax as sx
-    >>> mesh = sx.Mesh({"dp": 1})
-    >>> opt = sx.optim.zero_one_adam(0.1, var_freeze_step=2, local_step_scaler=1)
-    >>> params = {"w": sx.shard(torch.ones(3), mesh, sx.P())}
-    >>> state = opt.init(params)
-    >>> for g in ([1.0, -1.0, 2.0], [2.0, -1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 0.5, 0.5]):
-    ...     grad = sx.Sharded(torch.tensor(g), sx.Layout(mesh, sx.P(), partial="dp"), (3,))
-    ...     updates, state = opt.update({"w": grad}, state, params)
-    ...     params = sx.optim.apply_updates(params, updates)
-    >>> state.policy                      # the local interval doubled after steps 3 and 4
-    tensor([1, 2, 4, 0])
-    >>> params["w"].layout                # step 4 was a local step: each rank's own copy
-    Layout(Mesh({'dp': 1}), P(), diverged=('dp',))
-    """
-    return scale_by_zero_one_adam(
-        learning_rate, b1, b2, eps, weight_decay, var_freeze_step=var_freeze_step,
-        var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-        local_step_clipper=local_step_clipper, axis=axis, momentum_mask=momentum_mask,
-        max_grad_norm=max_grad_norm,
-    )  # fmt: skip

@@ -137,24 +137,35 @@ def kinds() -> list[str]:
     return out
 
 
-def zero_one_ranks(steps: int, wd: float, make_batch=batch) -> dict:
-    """0/1 Adam on dp ranks: each rank's own gradient of its slice of the
-    global batch at its own params, times 1/world, partial over dp."""
+def start(schedule: dict, wd: float = WD, lr: float = LR) -> tuple:
+    """``(model, params, opt, state)`` on this rank: the small model's
+    params replicated over dp, 0/1 Adam on ``schedule``."""
     mesh = sx.Mesh({"dp": -1})
-    n, i = mesh.size("dp"), mesh.axis_index("dp")
     model, dense = first_params()
     params = {k: sx.Sharded(v, Layout(mesh, P()), v.shape) for k, v in dense.items()}
-    opt = sx.optim.zero_one_adam(LR, BETAS[0], BETAS[1], EPS, wd, **SCHEDULE)
-    state = opt.init(params)
+    opt = sx.optim.zero_one_adam(lr, BETAS[0], BETAS[1], EPS, wd, **schedule)
+    return model, params, opt, opt.init(params)
+
+
+def step(model, params: dict, opt, state, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """One step on this rank: its own gradient of its slice of the global
+    batch at its own params, times 1/world, partial over dp."""
+    mesh = next(iter(params.values())).mesh
+    n, i = mesh.size("dp"), mesh.axis_index("dp")
+    mine = slice(i * BATCH // n, (i + 1) * BATCH // n)
+    _, g = local_grads(model, {k: v.local for k, v in params.items()}, x[mine], y[mine])
+    grads = {k: sx.Sharded(v / n, Layout(mesh, P(), partial="dp"), v.shape) for k, v in g.items()}  # fmt: skip
+    updates, state = opt.update(grads, state, params)
+    return sx.optim.apply_updates(params, updates), state
+
+
+def zero_one_ranks(steps: int, wd: float) -> dict:
+    """0/1 Adam on dp ranks, each step's params, traffic and layouts."""
+    model, params, opt, state = start(SCHEDULE, wd)
     out: dict = {"params": [], "bytes": [], "diverged": []}
-    for step in range(steps):
-        x, y = make_batch(step)
-        mine = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        _, g = local_grads(model, {k: v.local for k, v in params.items()}, x[mine], y[mine])
-        grads = {k: sx.Sharded(v / n, Layout(mesh, P(), partial="dp"), v.shape) for k, v in g.items()}  # fmt: skip
+    for at in range(steps):
         with sx.collectives.traffic() as t:
-            updates, state = opt.update(grads, state, params)
-        params = sx.optim.apply_updates(params, updates)
+            params, state = step(model, params, opt, state, *batch(at))
         out["params"].append({k: v.local.clone() for k, v in params.items()})
         out["bytes"].append(dict(t.bytes))
         out["diverged"].append({v.layout.diverged for v in params.values()})
@@ -243,28 +254,14 @@ def test_zero_one_adam_in_a_train_step_computes_with_each_ranks_copy():
 def saved_ranks(tmp: str) -> dict:
     """After a local step: gather and a checkpoint give the ranks' mean;
     restored, every rank starts from it and trains on."""
-    mesh = sx.Mesh({"dp": -1})
-    n, i = mesh.size("dp"), mesh.axis_index("dp")
-    model, dense = first_params()
-    params = {k: sx.Sharded(v, Layout(mesh, P()), v.shape) for k, v in dense.items()}
-    opt = sx.optim.zero_one_adam(LR, BETAS[0], BETAS[1], EPS, WD, **SCHEDULE)
-    state = opt.init(params)
-
-    def step(params: dict, state, at: int) -> tuple:
-        x, y = batch(at)
-        mine = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        _, g = local_grads(model, {k: v.local for k, v in params.items()}, x[mine], y[mine])
-        grads = {k: sx.Sharded(v / n, Layout(mesh, P(), partial="dp"), v.shape) for k, v in g.items()}  # fmt: skip
-        updates, state = opt.update(grads, state, params)
-        return sx.optim.apply_updates(params, updates), state
-
+    model, params, opt, state = start(SCHEDULE)
     for at in range(10):  # step 10 is the first local one
-        params, state = step(params, state, at)
+        params, state = step(model, params, opt, state, *batch(at))
     gathered = sx.gather(params["emb.weight"])
     sx.ckpt.save(f"{tmp}/ckpt", {"params": params, "opt": state})
     restored = sx.ckpt.load(f"{tmp}/ckpt", {"params": params, "opt": state})
     params2, state2 = restored["params"], restored["opt"]
-    after, _ = step(params2, state2, 10)
+    after, _ = step(model, params2, opt, state2, *batch(10))
     return {
         "local": params["emb.weight"].local.clone(),
         "gathered": gathered.clone(),
@@ -301,19 +298,9 @@ PLAIN = {"var_freeze_step": TRAIN_STEPS, "var_update_scaler": TRAIN_STEPS}  # ev
 
 
 def train_ranks(steps: int, schedule: dict) -> dict:
-    mesh = sx.Mesh({"dp": -1})
-    n, i = mesh.size("dp"), mesh.axis_index("dp")
-    model, dense = first_params()
-    params = {k: sx.Sharded(v, Layout(mesh, P()), v.shape) for k, v in dense.items()}
-    opt = sx.optim.zero_one_adam(TRAIN_LR, BETAS[0], BETAS[1], EPS, WD, **schedule)
-    state = opt.init(params)
-    for step in range(steps):
-        x, y = task_batch(step)
-        mine = slice(i * BATCH // n, (i + 1) * BATCH // n)
-        _, g = local_grads(model, {k: v.local for k, v in params.items()}, x[mine], y[mine])
-        grads = {k: sx.Sharded(v / n, Layout(mesh, P(), partial="dp"), v.shape) for k, v in g.items()}  # fmt: skip
-        updates, state = opt.update(grads, state, params)
-        params = sx.optim.apply_updates(params, updates)
+    model, params, opt, state = start(schedule, lr=TRAIN_LR)
+    for at in range(steps):
+        params, state = step(model, params, opt, state, *task_batch(at))
     return {k: sx.gather(v) for k, v in params.items()}
 
 
