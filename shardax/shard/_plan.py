@@ -13,6 +13,10 @@ collectives in the same order. Greedy, cheapest first:
 6. ``all_gather``   sharded → replicated, for axes in the wrong place;
 7. ``psum``         any partial axis still left.
 
+A diverged value (each rank its own copy: its whole value their mean) is
+first made partial where the target is not diverged: the ``mean`` step, a
+local scale by ``1 / size`` (:func:`settle`).
+
 Consecutive axes that take the same step on the same dim go in one
 collective. Between different meshes the tensor is reduced, sent piece by
 piece with one all-to-all by box intersection (``redistribute``), then made
@@ -30,9 +34,10 @@ from ..errors import ShardingError
 from ._layout import Layout
 from ._spec import Blocks, P
 
-__all__ = ["Plan", "Step", "legs", "plan_transfer"]
+__all__ = ["Plan", "Step", "legs", "plan_transfer", "settle"]
 
-KINDS = ("slice", "psum_scatter", "all_to_all", "psum", "pad", "mask", "all_gather", "redistribute")
+KINDS = ("slice", "psum_scatter", "all_to_all", "psum", "pad", "mask", "all_gather", "redistribute",
+         "mean")  # fmt: skip
 
 
 @attrs.frozen
@@ -55,6 +60,8 @@ class Step:
             return f"all_to_all over ({axes}): dim {self.dim} -> dim {self.to_dim}"
         if self.kind in ("psum", "mask"):
             return f"{self.kind} over ({axes})"
+        if self.kind == "mean":
+            return f"mean over ({axes}): each copy scaled by 1/size, then summed as partial"
         if self.kind == "redistribute":
             return "redistribute (all-to-all by box intersection)"
         return f"{self.kind} over ({axes}) on dim {self.dim}"
@@ -93,6 +100,7 @@ class Plan:
     def __str__(self) -> str:
         def name(layout: Layout) -> str:
             tail = f" partial={layout.partial!r}" if layout.partial else ""
+            tail += f" diverged={layout.diverged!r}" if layout.diverged else ""
             return f"{layout.spec!r}{tail}"
 
         head = f"{name(self.src)} -> {name(self.dst)} for shape {self.shape}:"
@@ -285,6 +293,8 @@ def plan_transfer(src: Layout, dst: Layout, shape: Sequence[int]) -> Plan:
     """
     shape = src.sharding.check_shape(shape)
     dst.sharding.check_shape(shape)
+    if src.diverged or dst.diverged:
+        return _plan_diverged(src, dst, shape)
     if src.spec.blocked or dst.spec.blocked:  # planned in the expanded view (see legs)
         steps: list[Step] = []
         views: list[tuple[int, tuple[int, ...]]] = []
@@ -304,6 +314,43 @@ def plan_transfer(src: Layout, dst: Layout, shape: Sequence[int]) -> Plan:
         steps.append(step)
         layouts.append(s.layout())
     raise ShardingError(f"no plan from {src!r} to {dst!r} for shape {shape}")  # pragma: no cover
+
+
+def settle(src: Layout, dst: Layout) -> tuple[Layout, Layout, tuple[str, ...]]:
+    """``(src', dst', mean)``: the layouts a plan moves between once the
+    axes over which ``src`` is diverged and ``dst`` is not (``mean``) are
+    made partial (after a local scale by ``1 / their size``: the ``mean`` step), and the axes diverged in both are
+    left out (nothing moves over them: each rank keeps its own copy)."""
+    if not src.diverged and not dst.diverged:
+        return src, dst, ()
+    wrong = [a for a in dst.diverged if a not in src.diverged and a not in src.replicated]
+    if wrong:
+        raise ShardingError(
+            f"cannot transfer {src!r} to {dst!r}: a value becomes diverged over {wrong!r} only "
+            "from a replica there (each rank's copy its own), not from a split or a pending "
+            "sum; transfer it to a layout replicated over those axes first"
+        )
+    mean = tuple(a for a in src.diverged if a not in dst.diverged)
+    return (
+        Layout(src.sharding, partial=src.partial + mean),
+        Layout(dst.sharding, partial=dst.partial),
+        mean,
+    )
+
+
+def _plan_diverged(src: Layout, dst: Layout, shape: tuple[int, ...]) -> Plan:
+    """A plan from or to a diverged layout: the ``mean`` step where the
+    copies are averaged, then the plan between the layouts :func:`settle`
+    gives (the axes diverged at both ends kept in the layouts between)."""
+    a, b, mean = settle(src, dst)
+    sub = plan_transfer(a, b, shape)
+    head = (Step("mean", mean),) if mean else ()
+    if sub.views:
+        views = tuple((i + len(head), view) for i, view in sub.views)
+        return Plan(shape, head + sub.steps, (src, dst), views)
+    kept = tuple(x for x in src.diverged if x in dst.diverged)
+    middle = [Layout(x.sharding, partial=x.partial, diverged=kept) for x in sub.layouts[:-1]]
+    return Plan(shape, head + sub.steps, (src, *middle[0 if mean else 1 :], dst))
 
 
 def _plan_between_meshes(src: Layout, dst: Layout, shape: tuple[int, ...]) -> Plan:

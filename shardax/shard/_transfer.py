@@ -53,7 +53,7 @@ from ._packing import (
     start_psum_scatter,
     start_psum_scatter_direct,
 )
-from ._plan import Step, legs, plan_transfer
+from ._plan import Step, legs, plan_transfer, settle
 from ._redistribute import Redistribute
 from ._sharded import Sharded
 from ._spec import piece_sizes
@@ -124,28 +124,6 @@ class Scale(Op):
 register_transpose(Scale, lambda op: op)
 
 
-def _settle(src: Layout, dst: Layout) -> tuple[Layout, Layout, tuple[str, ...]]:
-    """``(src', dst', mean)``: the layouts a plan moves between once the
-    axes over which ``src`` is diverged and ``dst`` is not (``mean``) are
-    made partial (after a :class:`Scale`), and the axes diverged in both are
-    left out (nothing moves over them: each rank keeps its own copy)."""
-    if not src.diverged and not dst.diverged:
-        return src, dst, ()
-    wrong = [a for a in dst.diverged if a not in src.diverged and a not in src.replicated]
-    if wrong:
-        raise ShardingError(
-            f"cannot transfer {src!r} to {dst!r}: a value becomes diverged over {wrong!r} only "
-            "from a replica there (each rank's copy its own), not from a split or a pending "
-            "sum; transfer it to a layout replicated over those axes first"
-        )
-    mean = tuple(a for a in src.diverged if a not in dst.diverged)
-    return (
-        Layout(src.sharding, partial=src.partial + mean),
-        Layout(dst.sharding, partial=dst.partial),
-        mean,
-    )
-
-
 @attrs.frozen
 class Program:
     """A plan compiled for this rank: ``ops``, the ops that move data, in
@@ -187,7 +165,7 @@ def _compile(src: Layout, dst: Layout, shape: tuple[int, ...], job: Any) -> Prog
     and out of it around each leg."""
     ops: list[Op] = []
     final = dst
-    src, dst, mean = _settle(src, dst)
+    src, dst, mean = settle(src, dst)
     if mean:
         mesh = src.mesh
         assert isinstance(mesh, Mesh)

@@ -77,3 +77,16 @@ def test_diverged_values_relay_as_their_mean():
         assert got["layouts"] == (("dp",), ("dp",))
         assert got["compute"] == ("dp",)
         torch.testing.assert_close(got["values"], x * (rank + 1) + 2)
+
+
+def test_the_plan_shows_the_mean():
+    """``plan_transfer`` shows what the executor does: the copies scaled to
+    their shares, then the partial plan; a replica taken as copies moves
+    nothing."""
+    mesh = AbstractMesh({"dp": 2, "tp": 2})
+    plan = sx.plan_transfer(
+        Layout(mesh, P("tp"), diverged="dp"), Layout(mesh, P(("tp", "dp"))), (8,)
+    )
+    assert [s.kind for s in plan.steps] == ["mean", "psum_scatter"]
+    assert "mean over ('dp')" in str(plan) and "diverged=('dp',)" in str(plan)
+    assert sx.plan_transfer(Layout(mesh, P()), Layout(mesh, P(), diverged="dp"), (8,)).steps == ()
