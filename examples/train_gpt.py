@@ -43,6 +43,21 @@ which. Turn one into a plain safetensors file of the weights with
 
     shardax ckpt consolidate checkpoints/train_gpt/step-00000300 gpt.safetensors --only params
 
+Under ``shardax launch --elastic MIN:MAX --max-restarts N`` a lost rank
+does not end the run: ``--elastic`` makes a restart resume from the newest
+checkpoint on the ranks that remain, the global batch kept by changing the
+gradient accumulation (a global batch that cannot split over every
+data-parallel size MIN..MAX allows is refused at the start).
+``--memory-ckpt-every K`` adds in-memory checkpoints: every K steps each
+rank's shards go into host memory the launcher keeps across restarts, with
+a copy at a peer rank (another node's), so a restart loses at most K steps;
+the disk checkpoints are the fallback when a rank and its peer are both
+lost. ``--kill-at STEP:RANK`` (``--kill-node``) SIGKILLs a rank (its node)
+mid-step on the first try, for tests and ``benchmarks/elastic.py``::
+
+    shardax launch --nproc-per-node 4 --elastic 2:4 --max-restarts 2 examples/train_gpt.py \
+        --elastic --batch-size 12 --memory-ckpt-every 5 --save-every 50
+
 A run config (``--config run.hjson``, see ``docs/config.md``; ``shardax
 config from-deepspeed ds_config.json`` converts a DeepSpeed one) sets the
 mesh, ZeRO stage, optimizer, schedule, precision (fp16 with dynamic loss
@@ -120,6 +135,24 @@ def parse_mesh(text: str) -> dict[str, int]:
         if not eq or not name.strip():
             raise argparse.ArgumentTypeError(f"--mesh {text!r}: {part.strip()!r} is not name=size")
     return axes
+
+
+def parse_kill(text: str) -> tuple[int, int]:
+    """``--kill-at STEP:RANK`` → ``(step, rank)``.
+
+    >>> parse_kill("5:3")
+    (5, 3)
+    """
+    step, colon, rank = text.partition(":")
+    try:
+        out = int(step), int(rank)
+    except ValueError:
+        out = (0, -1)
+    if not colon or out[0] < 1 or out[1] < 0:
+        raise argparse.ArgumentTypeError(
+            f"--kill-at {text!r}: write STEP:RANK, a step >= 1 and a rank >= 0, e.g. 5:3"
+        )
+    return out
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -315,6 +348,38 @@ def build_parser() -> argparse.ArgumentParser:
         "from the checkpoint and the rank (a rank's random stream cannot be split or merged); "
         "restore insists on the saved states (another number of ranks is an error); skip "
         "leaves it. The resume line says which happened",
+    )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="for `shardax launch --elastic MIN:MAX --max-restarts N`: on a restart, resume from "
+        "the newest checkpoint (in host memory, with --memory-ckpt-every, or in --out) on the "
+        "ranks that remain, keeping the global batch by changing the gradient accumulation (the "
+        "micro batch is the largest world's, MAX, unless the config sets one); a global batch "
+        "that does not split over every data-parallel size the job may take is refused at start",
+    )
+    parser.add_argument(
+        "--memory-ckpt-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="every K steps, each rank copies its shards (params, optimizer state, step, RNG) into "
+        "host memory and to a peer rank (another node's, where there are nodes), no disk write: a "
+        "restart after a lost rank loses at most K steps (needs shardax launch --max-restarts or "
+        "--elastic, which keeps that memory across restarts; 0: off)",
+    )
+    parser.add_argument(
+        "--kill-at",
+        type=parse_kill,
+        metavar="STEP:RANK",
+        help="(tests, benchmarks) on the first try only, rank RANK kills itself with SIGKILL in "
+        "the middle of step STEP, after its first micro-step's gradients: a rank lost mid-step",
+    )
+    parser.add_argument(
+        "--kill-node",
+        action="store_true",
+        help="with --kill-at: the rank first SIGKILLs its node's launcher (its parent), so the "
+        "whole node is lost",
     )
     parser.add_argument(
         "--metrics", type=Path, help="append each step's loss and lr as JSON lines (rank 0)"
@@ -570,8 +635,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.given = {k for k, v in vars(probe.parse_args(argv)).items() if v is not None}
     if args.steps < 1 or args.batch_size < 1 or args.log_every < 1 or args.eval_batches < 0:
         parser.error("--steps, --batch-size and --log-every must be positive")
-    if args.save_every < 0 or args.keep < 1:
-        parser.error("--save-every must be >= 0 and --keep >= 1")
+    if args.save_every < 0 or args.keep < 1 or args.memory_ckpt_every < 0:
+        parser.error("--save-every and --memory-ckpt-every must be >= 0 and --keep >= 1")
+    if args.kill_node and args.kill_at is None:
+        parser.error("--kill-node goes with --kill-at STEP:RANK (which rank, at which step)")
     if not args.prompt:
         parser.error("--prompt must not be empty")
     if args.warmup is None:
@@ -752,6 +819,74 @@ def resume_path(resume: Path | bool | None, manager: sx.ckpt.CheckpointManager) 
     return resume or None
 
 
+def elastic_bounds(world: int) -> tuple[int, int]:
+    """``SHARDAX_ELASTIC``'s ``MIN:MAX`` (``shardax launch --elastic`` sets
+    it), or this world's size for both when it is not set."""
+    text = os.environ.get("SHARDAX_ELASTIC")
+    if not text:
+        return world, world
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi)
+
+
+def elastic_batch(
+    run: sx.config.RunConfig, world: int, bounds: tuple[int, int]
+) -> tuple[sx.config.ResolvedBatch, str | None]:
+    """The batch of an elastic run on ``world`` ranks, and a note when the
+    micro batch had to shrink. The global batch stays; the micro batch is
+    the config's, or else the largest world's (``bounds[1]`` ranks); the
+    accumulation makes up the rest. A global batch that does not split over
+    every data-parallel size of ``bounds`` is refused, with the fix.
+
+    >>> run = parse_args(["--batch-size", "12"]).run
+    >>> elastic_batch(run, 4, (2, 4))
+    (ResolvedBatch(global_size=12, micro=3, accumulation=1), None)
+    >>> elastic_batch(run, 3, (2, 4))[1]
+    'elastic: global batch 12 kept on 3 data-parallel rank(s): micro batch 3 does not divide it, micro 2 x accumulation 2'
+    >>> elastic_batch(parse_args(["--batch-size", "16"]).run, 4, (2, 4))
+    Traceback (most recent call last):
+    ...
+    shardax.errors.ConfigError: --elastic 2:4: the global batch 16 does not split over 3 data-parallel rank(s), a size the run may shrink to; choose a --batch-size (batch.global) that is a multiple of 12, or narrow the launcher's --elastic
+    """
+    lo, hi = bounds
+    top = run.batch.resolve(run.dp_size(hi))
+    g, micro = top.global_size, run.batch.micro or top.micro
+    sizes = {}
+    for w in range(lo, hi + 1):
+        try:
+            sizes[w] = run.dp_size(w)
+        except sx.config.ConfigError as err:
+            raise sx.config.ConfigError(f"--elastic {lo}:{hi}: on {w} rank(s): {err}") from None
+    bad = sorted({dp for dp in sizes.values() if g % dp})
+    if bad:
+        raise sx.config.ConfigError(
+            f"--elastic {lo}:{hi}: the global batch {g} does not split over "
+            f"{', '.join(map(str, bad))} data-parallel rank(s), a size the run may shrink to; "
+            f"choose a --batch-size (batch.global) that is a multiple of "
+            f"{math.lcm(*sizes.values())}, or narrow the launcher's --elastic"
+        )
+    dp = sizes.get(world) or run.dp_size(world)
+    m = max(m for m in range(1, micro + 1) if g % (m * dp) == 0)
+    note = None
+    if m != micro:
+        note = (f"elastic: global batch {g} kept on {dp} data-parallel rank(s): micro batch "
+                f"{micro} does not divide it, micro {m} x accumulation {g // (m * dp)}")  # fmt: skip
+    return sx.config.ResolvedBatch(g, m, g // (m * dp)), note
+
+
+def kill_now(step: int, rank: int, args: argparse.Namespace) -> None:
+    """``--kill-at``: on the first try, the rank it names dies here by
+    SIGKILL — with ``--kill-node``, its node's launcher first."""
+    if args.kill_at != (step, rank) or os.environ.get("SHARDAX_RESTART_COUNT", "0") != "0":
+        return
+    import signal
+
+    print(f"--kill-at: rank {rank} is killed in step {step}", flush=True)
+    if args.kill_node:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def rng_outcome(policy: str, index: Any, world: int) -> str:
     """What ``--rng policy`` made of the RNG states of a checkpoint (its
     index) on ``world`` ranks, in words: the default, ``reseed``, restores
@@ -881,7 +1016,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cp is not None:
         check_context(args.preset, cp, mesh.size(cp))
     data_axes = run.data_axes  # with experts, the ep ranks take their own rows too
-    batch = run.batch.resolve(run.dp_size(info.world_size))
+    restart = int(os.environ.get("SHARDAX_RESTART_COUNT", "0"))  # shardax launch's tries
+    if args.elastic:  # the global batch kept on whatever number of ranks remains
+        batch, note = elastic_batch(run, info.world_size, elastic_bounds(info.world_size))
+        if note:
+            say(note)
+        if restart and args.resume is None:  # a restart: go on from the newest checkpoint
+            args.resume = True
+    else:
+        batch = run.batch.resolve(run.dp_size(info.world_size))
     steps, accumulation = run.steps, batch.accumulation
     train = sx.data.TextDataset.tinyshakespeare(cfg.seq_len, split="train")
     val = sx.data.TextDataset.tinyshakespeare(cfg.seq_len, split="val")
@@ -930,13 +1073,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     # last step and the run waits for the save before it ends.
     last_save = attrs.evolve(manager, async_save=False)
     resume_from = resume_path(args.resume, manager)
+    memory = None  # in-memory checkpoints: each rank's shards in host memory and with a peer
+    if args.memory_ckpt_every:
+        memory = sx.ckpt.MemoryCheckpointManager(every=args.memory_ckpt_every)
+        memory.slot()  # no host memory kept across restarts: say so now
+    snapshot = memory.latest() if memory is not None and args.resume is True else None
+    if snapshot is not None and (resume_from is None or snapshot.step >= manager.latest()):
+        resume_from = None  # the newest checkpoint is in host memory
+    else:
+        snapshot = None
+    resuming = resume_from is not None or snapshot is not None
     rules = run.make_rules()
 
     def new_params(mesh: sx.Mesh, only: Any = None) -> dict[str, sx.Sharded]:
         """This rank's shards, initialised; or, to resume, stand-ins on
         ``meta`` (layouts and memory kinds, no memory) that the checkpoint's
         values replace: the rank never holds its state twice."""
-        if resume_from is None:
+        if not resuming:
             return sx.init_params(model, mesh, rules, only=only)
         keep = None if only is None else set(only)
         shapes = {k: v for k, v in sx.params_of(model).items() if keep is None or k in keep}
@@ -956,6 +1109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{run.parallel.pp_schedule} over {pipe.micro_batches} micro-batches")  # fmt: skip
     schedule = run.make_schedule()
     opt = run.make_optimizer(accumulation, clip=pipe is None)  # a pipeline clips by its own norm
+    if args.elastic and accumulation == 1:  # a restart may bring accumulation: the same state
+        opt = sx.optim.MultiSteps(opt, 1)  # tree (MultiSteps') whatever the accumulation
     dtype = DTYPES[precision]
     if dtype != torch.float32:  # compute in bf16/fp16; fp32 master weights in the optimizer state
         params = {k: v.astype(dtype) for k, v in params.items()}  # kept where it lives
@@ -965,8 +1120,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"preset": args.preset, "config": attrs.asdict(cfg), "seed": run.seed}
     meta.update(sx.ckpt.model_metadata(model))  # tied names: the consolidated file loads strictly
     start = 0
-    if args.resume and resume_from is None:
+    if args.resume and not resuming:
         say(f"no checkpoint in {ckpt.dir}: starting from step 0")
+    elif snapshot is not None:
+        phases.enter("resume")
+        target = {"params": params, "opt_state": opt_state, "step": 0}
+        strict = True if pipe is None else "target"
+        _, state = memory.restore(target, step=snapshot.step, rng=args.rng, strict=strict)
+        start, params, opt_state = int(state["step"]), state["params"], state["opt_state"]
+        del target, state
+        index = argparse.Namespace(world_size=snapshot.world_size, rng=range(snapshot.world_size))
+        peers = snapshot.from_peers
+        say(f"resumed from host memory at step {start} (an in-memory checkpoint of "
+            f"{snapshot.world_size} rank(s)" + (f"; the shards of rank(s) {list(peers)} rebuilt "
+            "from their peers' copies" if peers else "") + f"); "
+            f"{rng_outcome(args.rng, index, info.world_size)}")  # fmt: skip
     elif resume_from is not None:
         phases.enter("resume")
         target = {"params": params, "opt_state": opt_state, "step": 0}
@@ -1028,6 +1196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for micro in itertools.islice(micro_steps, accumulation):
                 scale = loss_scale.scale if loss_scale is not None else 1.0
                 loss, grads = grad_fn(params, micro, scale)
+                if args.kill_at is not None:
+                    kill_now(step, rank, args)  # a rank lost mid-step (tests, benchmarks)
                 loss = loss / scale
                 finite = True
                 if loss_scale is not None:  # fp16: an overflow on any rank skips the update
@@ -1055,6 +1225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         state = {"params": params, "opt_state": opt_state, "step": step}
         saver = manager if step < steps else last_save
         saver.save(step, state, metadata=meta, force=step == steps)
+        if memory is not None:
+            memory.save(step, state, metadata=meta)
         if metrics is not None:
             metrics.write(json.dumps({"step": step, "loss": float(loss), "lr": schedule(step - 1)}))
             metrics.write("\n")

@@ -3,6 +3,9 @@
 ``save`` (collective; atomic) and ``save_async`` write each distinct shard
 once; ``load`` reads into any mesh and layout, each rank reading only what
 overlaps its pieces; ``CheckpointManager`` numbers, prunes and resumes;
+``MemoryCheckpointManager`` keeps snapshots in host memory, each rank's
+shards with the rank and a copy with a peer, for restarts after a lost
+rank (``shardax launch --elastic``);
 ``read_index`` gives the parsed index. A checkpoint is never unpickled. The
 ``shardax ckpt`` command line inspects, verifies, reshards, consolidates and
 imports checkpoints; ``import_deepspeed`` turns a DeepSpeed ZeRO checkpoint
@@ -21,6 +24,8 @@ from ._format import read_index as read_index
 from ._load import RNG_POLICIES as RNG_POLICIES
 from ._load import load as load
 from ._manager import CheckpointManager as CheckpointManager
+from ._memory import MemoryCheckpointManager as MemoryCheckpointManager
+from ._memory import MemorySnapshot as MemorySnapshot
 from ._model import model_metadata as model_metadata
 from ._offline import consolidate as consolidate
 from ._offline import import_dense as import_dense
@@ -37,6 +42,8 @@ __all__ = [
     "CheckpointManager",
     "DeepSpeedCheckpoint",
     "Index",
+    "MemoryCheckpointManager",
+    "MemorySnapshot",
     "TensorEntry",
     "ValueEntry",
     "consolidate",

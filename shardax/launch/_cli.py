@@ -21,6 +21,7 @@ import click
 
 from .._bad_setting import BadSetting
 from ..errors import LaunchError
+from ._elastic import check_elastic
 from ._launcher import launch
 from ._multinode import LAUNCHERS, NodeJob, describe, mpi_flavor, node_commands, run_nodes
 from ._nodes import (
@@ -42,6 +43,7 @@ Examples:
   shardax launch --nproc-per-node 2 -m mypkg.train --config run.hjson
   shardax launch --nproc-per-node 8 --log-ranks 0 train.py
   shardax launch --nproc-per-node 2 --no-python bash -c 'echo $RANK'
+  shardax launch --nproc-per-node 4 --elastic 2:4 --max-restarts 3 train.py
   shardax launch --hostfile hosts --launcher ssh --master-port 29500 train.py
   shardax launch --launcher none --num-nodes 2 --node-rank 1 \\
       --nproc-per-node 8 --master-addr node0 --master-port 29500 train.py
@@ -50,7 +52,8 @@ Examples:
 \b
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK and
 NODE_RANK (its node), MASTER_ADDR, MASTER_PORT, SHARDAX_LAUNCHED=1,
-PYTHONUNBUFFERED=1, SHARDAX_RESTART_COUNT, the variables of .shardax_env
+PYTHONUNBUFFERED=1, SHARDAX_RESTART_COUNT (with --max-restarts also
+SHARDAX_MEMORY_DIR, with --elastic SHARDAX_ELASTIC), the variables of .shardax_env
 (~ then the working directory) and --env, and, unless already set,
 GLOO_SOCKET_IFNAME=lo (loopback rendezvous), OMP_NUM_THREADS=max(1, CPUs //
 nproc-per-node) and THP_MEM_ALLOC_ENABLE=1. Its stdin is /dev/null. Over
@@ -208,6 +211,24 @@ def parse_log_ranks(text: str) -> tuple[int, ...] | None:
     "resumes from its latest checkpoint; ranks see SHARDAX_RESTART_COUNT).",
 )
 @click.option(
+    "--elastic",
+    default=None,
+    metavar="MIN:MAX",
+    help="Start MAX ranks (all of the job's); when ranks are lost (killed by a signal, or "
+    "failed with an error of their own), stop the others and restart on the ranks that remain "
+    "while they are at least MIN (needs --max-restarts; ranks see SHARDAX_ELASTIC and the new "
+    "WORLD_SIZE). Several nodes: every node's --launcher none launcher takes it.",
+)
+@click.option(
+    "--rejoin-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="With --elastic over several nodes: how long the node launchers wait for each other "
+    "after a failure; a node that has not rejoined by then is lost.",
+)
+@click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
@@ -244,6 +265,8 @@ def launch_command(
     env_items: tuple[str, ...],
     dry_run: bool,
     max_restarts: int,
+    elastic: str | None,
+    rejoin_timeout: float,
     timeout: float | None,
     stop_on_stdin_eof: bool,
     module: bool,
@@ -309,8 +332,16 @@ def launch_command(
                 max_restarts=max_restarts,
                 stop_on_stdin_eof=stop_on_stdin_eof,
                 timeout=timeout,
+                elastic=elastic,
+                rejoin_timeout=rejoin_timeout,
             )
         else:
+            if elastic is not None:
+                raise LaunchError(
+                    f"--elastic with --launcher {launcher}: the node launchers of an elastic job "
+                    "agree among themselves, so start one per node with --launcher none --elastic "
+                    "(by hand, under srun -N, or as a Kubernetes pod each)"
+                )
             if node_rank is not None or slots is not None:
                 raise LaunchError(
                     f"--node-rank and --devices describe one node; with --launcher {launcher} "
@@ -442,6 +473,8 @@ def _run_this_node(
     max_restarts: int,
     stop_on_stdin_eof: bool,
     timeout: float | None = None,
+    elastic: str | None = None,
+    rejoin_timeout: float = 30.0,
 ) -> int:
     """``--launcher none``: this node's ranks, its place in the job given or
     read from Slurm / MPI."""
@@ -470,6 +503,7 @@ def _run_this_node(
         master_port = 29500  # the same default on every node Slurm or MPI started
     if shown is not None:
         validate_ranks(shown, num_nodes * nproc_per_node, repr(log_ranks))
+    check_elastic(elastic, num_nodes * nproc_per_node, max_restarts)  # refused before anything
     if dry_run:
         spec = LaunchSpec(
             cmd=cmd,
@@ -502,4 +536,6 @@ def _run_this_node(
         max_restarts=max_restarts,
         stop_on_stdin_eof=stop_on_stdin_eof,
         timeout=timeout,
+        elastic=elastic,
+        rejoin_timeout=rejoin_timeout,
     )

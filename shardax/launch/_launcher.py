@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import attrs
 
 from ..errors import LaunchError
-from ._spec import DEFAULT_MASTER_ADDR, LaunchSpec, free_port, rank_env, validate_ranks
+from ._spec import DEFAULT_MASTER_ADDR, LaunchSpec, _to_cmd, rank_env
 from ._stream import (
     RankOutput,
     Sink,
@@ -65,6 +65,7 @@ class _Outcome:
     failures: tuple[tuple[int, int], ...] = ()  # (rank, returncode)
     signum: int | None = None
     timed_out: tuple[int, ...] = ()  # the ranks (or processes) still running
+    remote: str | None = None  # another node's failure (--elastic over several nodes)
 
 
 @attrs.frozen
@@ -111,6 +112,8 @@ def launch(
     max_restarts: int = 0,
     stop_on_stdin_eof: bool = False,
     timeout: float | None = None,
+    elastic: str | tuple[int, int] | None = None,
+    rejoin_timeout: float = 30.0,
 ) -> int:
     """Run ``cmd`` as ``nproc_per_node`` local ranks and supervise them.
 
@@ -145,8 +148,12 @@ def launch(
         devices: This node's device slots, one per rank (``CUDA_VISIBLE_DEVICES``).
         max_restarts: When a rank fails, stop every rank and start the job
             again, up to this many times (the script resumes from its latest
-            checkpoint); ranks see ``SHARDAX_RESTART_COUNT``. One node only:
-            across nodes, the launcher that starts them all restarts them.
+            checkpoint); ranks see ``SHARDAX_RESTART_COUNT``, and
+            ``SHARDAX_MEMORY_DIR``: host memory of their slot that outlives
+            their processes (:class:`shardax.ckpt.MemoryCheckpointManager`),
+            removed when the launcher exits. One node only, unless
+            ``elastic``: across nodes, the launcher that starts them all
+            restarts them.
         stop_on_stdin_eof: Stop every rank (as on SIGHUP) when this
             process's stdin reaches end of file: a node launcher started
             over ssh by a driver that holds its stdin open dies with it.
@@ -155,6 +162,15 @@ def launch(
             stopped like a failure's (SIGTERM, SIGKILL after
             ``kill_grace``), a summary names them with their last lines,
             and 124 is returned.
+        elastic: ``"MIN:MAX"`` (or ``(MIN, MAX)``): when ranks are lost
+            (killed by a signal, or failed with an error of their own), the
+            survivors are stopped and the job restarts on the ranks that
+            remain, as long as they are at least MIN (MAX: the ranks started,
+            every node's); ranks see ``SHARDAX_ELASTIC`` and a smaller
+            ``WORLD_SIZE``. Needs ``max_restarts``. See ``docs/launch.md``.
+        rejoin_timeout: With ``elastic`` over several nodes: how long the
+            node launchers wait for each other when a round ends; a node
+            that has not rejoined by then is lost.
 
     Returns:
         0 if every rank exited 0; else the first failed rank's exit code
@@ -176,45 +192,34 @@ def launch(
         )
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise LaunchError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-    if max_restarts and num_nodes != 1:
+    if max_restarts and num_nodes != 1 and elastic is None:
         raise LaunchError(
             "max_restarts restarts the ranks of one node; a job of several nodes is restarted "
             "by the launcher that starts them all (--launcher ssh, pdsh, slurm or mpirun), or "
-            "by the cluster's scheduler"
+            "by the cluster's scheduler — or, with elastic, by the node launchers together"
         )
     if isinstance(kill_grace, bool) or not isinstance(kill_grace, (int, float)) or kill_grace < 0:
         raise LaunchError(f"kill_grace must be a number of seconds >= 0, got {kill_grace!r}")
-    deadline = Deadline.of(timeout)
-    base_env = dict(os.environ if env is None else env)
-    restart = 0
-    while True:
-        spec = LaunchSpec(
-            cmd=cmd,
-            nproc_per_node=nproc_per_node,
-            master_addr=master_addr,
-            master_port=free_port() if master_port is None else master_port,
-            num_nodes=num_nodes,
-            node_rank=node_rank,
-            devices=devices,
-        )
-        if log_ranks is None:
-            shown: frozenset[int] | range = spec.ranks
-        else:
-            shown = validate_ranks(log_ranks, spec.world_size, "log_ranks")
-        run_env = {**base_env, "SHARDAX_RESTART_COUNT": str(restart)}
-        if _on_terminal():  # the ranks' pipes end on one: they may draw progress bars
-            run_env.setdefault("SHARDAX_TTY", "1")
-        outcome, code, sink = _run_once(
-            spec, shown, float(kill_grace), run_env, stop_on_stdin_eof, deadline
-        )
-        if not outcome.failures or restart >= max_restarts:
-            return code
-        restart += 1
-        rank, returncode = outcome.failures[0]
-        sink.message(
-            f"shardax launch: restarting every rank (restart {restart} of {max_restarts}) "
-            f"because rank {rank} failed ({describe_returncode(returncode)})"
-        )
+    from ._elastic import Job, check_elastic, run_job  # the restart loops (they import this)
+
+    job = Job(
+        cmd=_to_cmd(cmd),
+        nproc_per_node=nproc_per_node,
+        master_addr=master_addr,
+        master_port=master_port,
+        log_ranks=None if log_ranks is None else tuple(log_ranks),
+        kill_grace=float(kill_grace),
+        base_env=dict(os.environ if env is None else env),
+        num_nodes=num_nodes,
+        node_rank=node_rank,
+        devices=None if devices is None else tuple(devices),
+        max_restarts=max_restarts,
+        stop_on_stdin_eof=stop_on_stdin_eof,
+        deadline=Deadline.of(timeout),
+        elastic=check_elastic(elastic, nproc_per_node * num_nodes, max_restarts),
+        rejoin_timeout=rejoin_timeout,
+    )
+    return run_job(job)
 
 
 def _on_terminal() -> bool:
@@ -229,10 +234,18 @@ def _run_once(
     base_env: Mapping[str, str],
     stop_on_stdin_eof: bool = False,
     deadline: Deadline | None = None,
-) -> tuple[_Outcome, int, Sink]:
-    """Start this node's ranks once and supervise them to the end."""
+    extra_env: Sequence[Mapping[str, str]] | None = None,
+    stop_check: Callable[[], str | None] | None = None,
+) -> tuple[_Outcome, int, Sink, dict[int, list[str]]]:
+    """Start this node's ranks once and supervise them to the end: how it
+    ended, the exit code, the output and the stderr tail of each failed
+    rank. ``extra_env``: variables of each local rank's own; ``stop_check``:
+    asked at each look at the ranks, a reason to stop them all (another
+    node failed) or None."""
     shown = frozenset(shown)
     envs = [rank_env(spec, local, base_env) for local in range(spec.nproc_per_node)]
+    for env, extra in zip(envs, extra_env or [{}] * len(envs), strict=True):
+        env.update(extra)
     sink = Sink()
     with _record_signals() as received:
         procs = _spawn_all([spec.cmd] * len(envs), envs)
@@ -247,7 +260,9 @@ def _run_once(
         if stop_on_stdin_eof:
             _watch_stdin(received, sink)
         try:
-            outcome = _supervise(procs, spec.ranks, received, kill_grace, sink, deadline=deadline)
+            outcome = _supervise(
+                procs, spec.ranks, received, kill_grace, sink, deadline=deadline, stop=stop_check
+            )
         except BaseException:  # a bug or an unexpected exception: still leave nothing behind
             _stop(procs, 0.0, received)
             raise
@@ -256,15 +271,18 @@ def _run_once(
     drained_by = time.monotonic() + DRAIN_TIMEOUT_S
     for output in outputs:
         output.join(max(0.0, drained_by - time.monotonic()))
+    failed = {r: outputs[spec.ranks.index(r)].stderr_tail() for r, _ in outcome.failures}
     if outcome.signum is not None:
-        return outcome, 128 + outcome.signum, sink
+        return outcome, 128 + outcome.signum, sink, failed
+    if outcome.remote is not None:
+        return outcome, 1, sink, failed
     returncodes = {r: proc.returncode for r, proc in zip(spec.ranks, procs, strict=True)}
     if outcome.timed_out and deadline is not None:
         tails = {r: outputs[spec.ranks.index(r)].output_tail() for r in outcome.timed_out}
         sink.message(
             format_timeout(deadline.seconds, outcome.timed_out, returncodes, tails, spec.cmd)
         )
-        return outcome, TIMEOUT_EXIT_CODE, sink
+        return outcome, TIMEOUT_EXIT_CODE, sink, failed
     if outcome.failures:
         output = outputs[spec.ranks.index(outcome.failures[0][0])]
         sink.message(
@@ -276,8 +294,8 @@ def _run_once(
                 output.output_tail(),
             )
         )
-        return outcome, exit_code(outcome.failures[0][1]), sink
-    return outcome, 0, sink
+        return outcome, exit_code(outcome.failures[0][1]), sink, failed
+    return outcome, 0, sink, failed
 
 
 def _watch_stdin(received: list[int], sink: Sink) -> None:
@@ -509,11 +527,13 @@ def _supervise(
     sink: Sink,
     names: Sequence[str] | None = None,
     deadline: Deadline | None = None,
+    stop: Callable[[], str | None] | None = None,
 ) -> _Outcome:
     """Wait until every rank exited 0, a rank failed, a stop signal came, or
     the ``deadline`` passed; stop what is left; reap every rank. ``names``
     (default ``rank k``) name the processes in messages: the driver of
-    several nodes supervises one process per node the same way."""
+    several nodes supervises one process per node the same way. ``stop``
+    gives a reason to stop every rank (another node failed), or None."""
     label = dict(zip(ranks, names, strict=True)) if names else {r: f"rank {r}" for r in ranks}
     kind = "process(es)" if names else "rank(s)"
     exited: dict[int, int] = {}
@@ -542,6 +562,12 @@ def _supervise(
             )
             _stop(procs, grace, received)
             return _Outcome(failures=tuple(failures))
+        reason = stop() if stop is not None and len(exited) < len(procs) else None
+        if reason is not None:
+            running = len(procs) - len(exited)
+            sink.message(f"shardax launch: {reason}; stopping {running} running {kind}")
+            _stop(procs, grace, received)
+            return _Outcome(remote=reason)
         if deadline is not None and len(exited) < len(procs) and deadline.passed():
             running = [rank for rank in ranks if rank not in exited]
             sink.message(
