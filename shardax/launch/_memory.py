@@ -21,7 +21,6 @@ False
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
@@ -30,13 +29,14 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from ._launcher import _dismiss_guard
+
 __all__ = ["MEMORY_ENV", "SHM", "HostMemory"]
 
 MEMORY_ENV = "SHARDAX_MEMORY_DIR"
 """Set in each rank: its slot's folder of host memory (see the module)."""
 SHM = Path("/dev/shm")
 PREFIX = "shardax-mem-"
-REAP_S = 10.0
 
 _GUARD = """\
 import shutil, sys, time
@@ -90,17 +90,7 @@ class HostMemory:
         """Remove every folder, and dismiss the guard."""
         shutil.rmtree(self.root, ignore_errors=True)
         guard, self.guard = self.guard, None
-        if guard is None or guard.stdin is None:
-            return
-        with contextlib.suppress(OSError):
-            guard.stdin.write(b"done")
-        with contextlib.suppress(OSError):
-            guard.stdin.close()
-        try:
-            guard.wait(timeout=REAP_S)
-        except subprocess.TimeoutExpired:
-            guard.kill()
-            guard.wait()
+        _dismiss_guard(guard)
 
     def __repr__(self) -> str:
         return f"HostMemory({str(self.root)!r})"
