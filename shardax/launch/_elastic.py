@@ -29,7 +29,8 @@ Elastic(min=2, max=4)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -174,6 +175,17 @@ class Job:
             devices=devices,
         )
 
+    def run(
+        self, spec: LaunchSpec, restart: int, memory: HostMemory | None, slots: Sequence[int],
+        stop_check: Callable[[], str | None] | None = None,
+    ) -> Any:  # fmt: skip
+        """One try of ``spec`` on ``slots`` (each rank its slot's host
+        memory): :func:`_run_once`'s ``(outcome, code, sink, tails)``."""
+        extra = [{MEMORY_ENV: str(memory.slot(k))} if memory else {} for k in slots]
+        return _run_once(spec, self.shown(spec.ranks, spec.world_size), self.kill_grace,
+                         self.env(restart), self.stop_on_stdin_eof, self.deadline,
+                         extra_env=extra, stop_check=stop_check)  # fmt: skip
+
     def env(self, restart: int) -> dict[str, str]:
         """What every rank of a try gets beyond :func:`rank_env`'s."""
         env = {**self.base_env, "SHARDAX_RESTART_COUNT": str(restart)}
@@ -208,16 +220,7 @@ def run_job(job: Job) -> int:
         while True:
             devices = None if job.devices is None else [job.devices[k] for k in slots]
             spec = job.spec(len(slots), job.master_port, devices)
-            extra = [{MEMORY_ENV: str(memory.slot(k))} if memory else {} for k in slots]
-            outcome, code, sink, tails = _run_once(
-                spec,
-                job.shown(spec.ranks, spec.world_size),
-                job.kill_grace,
-                job.env(restart),
-                job.stop_on_stdin_eof,
-                job.deadline,
-                extra_env=extra,
-            )
+            outcome, code, sink, tails = job.run(spec, restart, memory, slots)
             if not outcome.failures or restart >= job.max_restarts:
                 return code
             restart += 1

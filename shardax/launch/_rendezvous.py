@@ -38,8 +38,8 @@ import attrs
 
 from ..errors import LaunchError
 from ._elastic import Job, describe_lost, lost_ranks
-from ._launcher import POLL_S, _run_once
-from ._memory import MEMORY_ENV, HostMemory
+from ._launcher import POLL_S
+from ._memory import HostMemory
 from ._spec import LaunchSpec, free_port
 
 __all__ = ["STORE_PORT_OFFSET", "run_nodes_elastic"]
@@ -195,16 +195,8 @@ def run_nodes_elastic(job: Job) -> int:
                 return code  # this node has no slot left
             members = answer["members"]
             spec = _spec(job, answer, job.node_rank, slots)
-            extra = [{MEMORY_ENV: str(memory.slot(k))} if memory else {} for k in slots]
-            outcome, code, sink, tails = _run_once(
-                spec,
-                job.shown(spec.ranks, spec.world_size),
-                job.kill_grace,
-                job.env(rnd),
-                job.stop_on_stdin_eof,
-                job.deadline,
-                extra_env=extra,
-                stop_check=lambda rnd=rnd: store.failed(rnd),
+            outcome, code, sink, tails = job.run(
+                spec, rnd, memory, slots, stop_check=lambda rnd=rnd: store.failed(rnd)
             )
             if outcome.signum is not None or outcome.timed_out:
                 store.fail(rnd, "its launcher was stopped")
