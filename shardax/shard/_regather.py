@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ShardingError
 from ._transfer import Batch
 
 __all__ = ["Regather"]
@@ -80,7 +81,20 @@ class Regather:
             self.regathered[unit] = self.gather(unit)
 
     def close(self) -> None:
-        """Finish the regathers still in flight (every rank started them)."""
+        """Finish the regathers still in flight (every rank started them),
+        and let go of ``gather``: it refers to the run that refers to this,
+        a cycle that would keep the run's parameters and gradients alive
+        until the garbage collector's next pass."""
         for gathered in self.regathered.values():
             gathered.wait()
         self.regathered.clear()
+        self.live.clear()
+        self.held.clear()
+        self.gather = _closed
+
+
+def _closed(unit: int) -> Batch:
+    raise ShardingError(
+        f"backward reached unit {unit} after its value_and_grad call ended: the graph "
+        "of an apply under value_and_grad is differentiated once, inside that call"
+    )

@@ -152,6 +152,54 @@ def test_zero3_does_not_keep_gathered_params_for_backward(world_size):
     assert run_ranks(released_ranks, False, world_size=world_size) == [(2, 2)] * 2
 
 
+def dropped_ranks() -> tuple[list[bool], str]:
+    """One ZeRO-3 step with the garbage collector off: whether each
+    gradient the call returned (and the leaf it tracked) is freed once the
+    caller drops it; and what a backward after the call through a second
+    output (returned as aux) says."""
+    import gc
+    import weakref
+
+    mesh = sx.Mesh({"dp": -1})
+    with torch.device("meta"):
+        model = Net()
+    torch.manual_seed(0)
+    params = sx.init_params(model, mesh, sx.rules.zero(3))
+    x, y = batch(0)
+
+    def loss_fn(p):
+        other = sx.apply(model, p, x)  # not part of the loss: its graph outlives the call
+        return _loss(p, model, x, y), other
+
+    gc.disable()
+    try:
+        _, grads = sx.value_and_grad(_loss)(params, model, x, y)
+        freed = [weakref.ref(g.local) for g in grads.values() if g is not None]
+        del grads
+        freed_now = [r() is None for r in freed]
+    finally:
+        gc.enable()
+    (_, other), _ = sx.value_and_grad(loss_fn, has_aux=True)(params)
+    try:
+        other.sum().backward()
+        said = "no error"
+    except sx.ShardingError as err:
+        said = str(err)
+    return freed_now, said
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_value_and_grad_leaves_no_cycle_that_keeps_gradients_alive(world_size):
+    """The run's regather and the run refer to each other; the call breaks
+    that when backward is over, so the gradients (and the step's old
+    parameters) go when the caller drops them, not at the collector's next
+    pass — which kept 768 MiB alive in the wide example's offloaded step.
+    A backward after the call through a graph it left behind is refused."""
+    for freed, said in run_ranks(dropped_ranks, world_size=world_size):
+        assert freed and all(freed), freed
+        assert "after its value_and_grad call ended" in said, said
+
+
 def hsdp_ranks(stage: int, steps: int):
     """``train_ranks`` on a 2 × 2 mesh: ZeRO-``stage`` over ``fsdp`` inside
     each replica, the batch split over both axes."""
