@@ -887,6 +887,39 @@ def kill_now(step: int, rank: int, args: argparse.Namespace) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+LOSS_SCALE_STATE = ("scale", "growth_tracker", "skipped", "hysteresis_left")
+
+
+def loss_scale_state(ls: sx.optim.DynamicLossScale) -> dict[str, float | int]:
+    """Where fp16's loss scale stands, for the checkpoint (how it scales
+    is the run config's)."""
+    return {k: getattr(ls, k) for k in LOSS_SCALE_STATE}
+
+
+def resumed_loss_scale(
+    fresh: sx.optim.DynamicLossScale, saved: dict | None, imported: dict | None
+) -> tuple[sx.optim.DynamicLossScale, str]:
+    """fp16's loss scale on resuming, and what became of it in words: where
+    the scale stood (``saved``: the checkpoint's ``loss_scale`` entries;
+    ``imported``: an imported DeepSpeed checkpoint's, from its metadata)
+    with how it scales from the run config (``fresh``); the config's
+    initial scale where the checkpoint holds none.
+
+    >>> fresh = sx.optim.DynamicLossScale(65536.0)
+    >>> ls, said = resumed_loss_scale(fresh, {"scale": 1024.0, "growth_tracker": 7}, None)
+    >>> ls.scale, ls.growth_tracker, said
+    (1024.0, 7, 'loss scale 1024 as saved')
+    >>> resumed_loss_scale(fresh, None, None)[1]
+    'loss scale: none in the checkpoint, starting at 65536'
+    """
+    for found, how in ((saved, "as saved"), (imported, "as DeepSpeed left it")):
+        if found:
+            kept = {k: type(getattr(fresh, k))(found[k]) for k in LOSS_SCALE_STATE if k in found}
+            ls = fresh._replace(**kept)
+            return ls, f"loss scale {ls.scale:g} {how}"
+    return fresh, f"loss scale: none in the checkpoint, starting at {fresh.scale:g}"
+
+
 def rng_outcome(policy: str, index: Any, world: int) -> str:
     """What ``--rng policy`` made of the RNG states of a checkpoint (its
     index) on ``world`` ranks, in words: the default, ``reseed``, restores
@@ -1125,9 +1158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif snapshot is not None:
         phases.enter("resume")
         target = {"params": params, "opt_state": opt_state, "step": 0}
+        if loss_scale is not None:  # an earlier try of this run saved it
+            target["loss_scale"] = loss_scale_state(loss_scale)
         strict = True if pipe is None else "target"
         _, state = memory.restore(target, step=snapshot.step, rng=args.rng, strict=strict)
         start, params, opt_state = int(state["step"]), state["params"], state["opt_state"]
+        if loss_scale is not None:
+            loss_scale, scaled = resumed_loss_scale(loss_scale, state["loss_scale"], None)
+            say(scaled)
         del target, state
         index = argparse.Namespace(world_size=snapshot.world_size, rng=range(snapshot.world_size))
         peers = snapshot.from_peers
@@ -1138,6 +1176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif resume_from is not None:
         phases.enter("resume")
         target = {"params": params, "opt_state": opt_state, "step": 0}
+        index = sx.ckpt.read_index(resume_from)
+        if loss_scale is not None and any(k.startswith("loss_scale.") for k in index.leaves):
+            target["loss_scale"] = loss_scale_state(loss_scale)
         strict = True if pipe is None else "target"  # a pipeline rank: its stages' part
         try:
             state = sx.ckpt.load(resume_from, target, rng=args.rng, strict=strict)
@@ -1146,8 +1187,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             raise sx.CheckpointError(f"{err} (the flags: --rng reseed or --rng skip)") from None
         start, params, opt_state = int(state["step"]), state["params"], state["opt_state"]
+        outcome = rng_outcome(args.rng, index, info.world_size)
+        if loss_scale is not None:  # fp16: where the scale stood (a DeepSpeed import: its own)
+            loss_scale, scaled = resumed_loss_scale(
+                loss_scale, state.get("loss_scale"), index.metadata.get("loss_scale")
+            )
+            outcome += f"; {scaled}"
         del target, state  # the stand-ins, and a second name for the state
-        outcome = rng_outcome(args.rng, sx.ckpt.read_index(resume_from), info.world_size)
         say(f"resumed from {resume_from} at step {start}; {outcome}")
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
 
@@ -1193,12 +1239,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         began = time.perf_counter()
         phases.enter("step")
         with monitor.step(step):
+            losses = []  # the step's loss: the mean of its micro-steps' (the global batch's)
             for micro in itertools.islice(micro_steps, accumulation):
                 scale = loss_scale.scale if loss_scale is not None else 1.0
                 loss, grads = grad_fn(params, micro, scale)
                 if args.kill_at is not None:
                     kill_now(step, rank, args)  # a rank lost mid-step (tests, benchmarks)
-                loss = loss / scale
+                losses.append(loss / scale)
                 finite = True
                 if loss_scale is not None:  # fp16: an overflow on any rank skips the update
                     grads, loss_scale = loss_scale.unscale_and_adjust(grads)
@@ -1212,6 +1259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         # update + apply in place, in one native pass where the optimizer has one
                         params, opt_state = sx.optim.fused_step(opt).step(params, grads, opt_state)
                 grads = None  # freed now, not while the next micro-step makes its own
+            loss = sum(losses) / len(losses)
             monitor.log(loss=loss, lr=schedule(step - 1))
             if loss_scale is not None:
                 monitor.log(loss_scale=loss_scale.scale)
@@ -1223,6 +1271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 advance(bar, record[-1]["loss"], tokens_per_step)
         phases.enter("save")
         state = {"params": params, "opt_state": opt_state, "step": step}
+        if loss_scale is not None:  # fp16: where the scale stands, so a resume goes on from it
+            state["loss_scale"] = loss_scale_state(loss_scale)
         saver = manager if step < steps else last_save
         saver.save(step, state, metadata=meta, force=step == steps)
         if memory is not None:

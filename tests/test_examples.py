@@ -200,6 +200,45 @@ def test_train_gpt_with_a_pipeline(tmp_path, dp_run):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
 
+@pytest.mark.slow  # fp16 on CPU: two runs of 6 steps
+def test_train_gpt_in_fp16_resumes_where_the_loss_scale_stood(tmp_path):
+    """fp16 with dynamic loss scaling, the scale growing after each finite
+    step: a run resumed from step 3 goes on from the scale the checkpoint
+    holds, not the config's initial one (with another scale the fp16
+    gradients round otherwise, and overflows fall on other steps), so steps
+    4–6 are the uninterrupted run's exactly."""
+    (tmp_path / "fp16.hjson").write_text(
+        'precision: {params: "fp16", loss_scale: 1024, growth_interval: 1}\n'
+    )
+    fp16 = ("--config", str(tmp_path / "fp16.hjson"))
+    stdout, whole = _train(tmp_path / "a", tmp_path / "a.jsonl", *fp16)
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "step-00000003", tmp_path / "b" / "step-00000003")
+    saved = sx.ckpt.load(tmp_path / "b" / "step-00000003")["loss_scale"]
+    assert saved["scale"] != 1024.0, saved  # it moved: grown each finite step
+    stdout, resumed = _train(tmp_path / "b", tmp_path / "b.jsonl", *fp16, "--resume")
+    assert f"loss scale {saved['scale']:g} as saved" in stdout, stdout
+    assert resumed == whole[3:]
+
+
+@pytest.mark.slow  # the mechanism: tests/optim/test_wrappers.py (default run)
+def test_train_gpt_with_accumulation_logs_the_global_batchs_loss(tmp_path):
+    """The global batch of 16 in 4 micro-steps of 2 a rank: the loss a step
+    logs is its micro-steps' mean — the whole batch's, as the run taking it
+    in one micro-step logs it (equal to 1e-5: the same sums in another
+    order), not the last micro-step's."""
+    runs = {}
+    for micro, steps in ((8, 1), (2, 4)):
+        (tmp_path / f"{micro}.hjson").write_text(f"batch: {{global: 16, micro: {micro}}}\n")
+        stdout, runs[micro] = _train(
+            tmp_path / str(micro), tmp_path / f"{micro}.jsonl", "--config",
+            str(tmp_path / f"{micro}.hjson"),
+        )  # fmt: skip
+        assert ("in 4 micro-steps" in stdout) == (steps == 4), stdout
+    for a, b in zip(runs[2], runs[8], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+
+
 def test_train_gpt_with_remat_and_state_on_disk_gives_the_same_losses(tmp_path, dp_run):
     """``--remat save_matmuls --offload-opt/-params/-grads disk:PATH``: each
     block's activations recomputed in backward (ZeRO-3 regathering its
