@@ -17,6 +17,11 @@ layouts (:data:`LAYOUTS`, ``docs/comm.md``):
 - ``hsdp``: ``Mesh({"replicate": 2, "fsdp": 2})``, ``rules.zero(3,
   "fsdp")``: ZeRO-3 within each node, the nodes replicas of each other;
   only the replicas' all-reduce of each gradient shard crosses;
+- ``zero3-persist``: ``zero3`` with ``persist_below=100_000``
+  (DeepSpeed's default ``stage3_param_persistence_threshold``): the
+  parameters under 100k elements (the embeddings, the attention's output
+  projections, the norms and biases) stay whole, their gradients
+  reduce-scattered and their updates gathered once a step;
 - ``zero3-hpz``: ``zero3`` with ``secondary="local"`` (ZeRO++'s hpZ): the
   backward gathers from a copy split within the node;
 - ``zero3-qwz``: ``zero3`` with ``quantize_weights=True`` (ZeRO++'s qwZ):
@@ -54,9 +59,12 @@ and the DeepSpeed anchors (:data:`DEEPSPEED`), on its CPU accelerator
 (``DS_ACCELERATOR=cpu``) over gloo, with ``torch.optim.AdamW`` as the
 client optimizer as in ``train.py``, every parameter split
 (``stage3_param_persistence_threshold: 0``: DeepSpeed's default keeps
-those under 100k elements whole on every rank, most of this model):
+those under 100k elements whole on every rank, an eighth of this model's
+elements, which ``deepspeed-zero3-persist`` measures):
 
 - ``deepspeed-zero3``: ``zero_optimization: {stage: 3}``;
+- ``deepspeed-zero3-persist``: the same with DeepSpeed's default threshold
+  (``zero3-persist``'s anchor);
 - ``deepspeed-zeropp``: ``{stage: 3, zero_quantized_weights: true,
   zero_hpz_partition_size: 2, zero_quantized_gradients: true}`` (a node's
   2 ranks hold the secondary copy);
@@ -233,12 +241,19 @@ OTHER_OPTIMIZER = {"onebit-adam", "deepspeed-onebit-adam", "zero-one-adam",
 Adam's frozen variance, after a 2-step warm-up, takes larger steps; 0/1
 Adam's likewise, its ranks stepping apart between syncs)."""
 
+PERSISTENCE = 100_000
+"""DeepSpeed's default ``stage3_param_persistence_threshold``: ``zero3-persist``
+keeps the parameters under it whole, as ``deepspeed-zero3-persist`` does."""
+
 NODE_LOCAL = {"node": NODES, "local": NPROC_PER_NODE}
 BOTH = ("node", "local")
 LAYOUTS: dict[str, Layout] = {
     "zero3": Layout(mesh=NODE_LOCAL, rules=lambda: sx.rules.zero(3, BOTH)),
     "hsdp": Layout(
         mesh={"replicate": NODES, "fsdp": NPROC_PER_NODE}, rules=lambda: sx.rules.zero(3, "fsdp")
+    ),
+    "zero3-persist": Layout(  # DeepSpeed's default: parameters under 100k elements kept whole
+        mesh=NODE_LOCAL, rules=lambda: sx.rules.zero(3, BOTH, persist_below=PERSISTENCE)
     ),
     "zero3-hpz": Layout(mesh=NODE_LOCAL, rules=lambda: sx.rules.zero(3, BOTH, secondary="local")),
     "zero3-qwz": Layout(
@@ -280,6 +295,7 @@ WHOLE = {"stage": 3, "stage3_param_persistence_threshold": 0}
 keeps each parameter under 100k elements whole on every rank)."""
 DEEPSPEED: dict[str, dict[str, Any]] = {
     "deepspeed-zero3": {"zero_optimization": WHOLE},
+    "deepspeed-zero3-persist": {"zero_optimization": {"stage": 3}},  # its default threshold
     "deepspeed-zeropp": {
         "zero_optimization": {
             **WHOLE,
@@ -323,6 +339,7 @@ DEEPSPEED: dict[str, dict[str, Any]] = {
 INEXACT_DEEPSPEED = {"deepspeed-zeropp", "deepspeed-onebit-adam", "deepspeed-zero-one-adam"}
 COUNTERPARTS = {
     "zero3": "deepspeed-zero3",
+    "zero3-persist": "deepspeed-zero3-persist",
     "zeropp": "deepspeed-zeropp",
     "onebit-adam": "deepspeed-onebit-adam",
     "zero-one-adam": "deepspeed-zero-one-adam",

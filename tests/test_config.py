@@ -277,7 +277,8 @@ def test_deepspeed_mics_converts_to_hybrid_sharding():
     assert config.parallel.replicate == "replicate" and config.data_axes == ("replicate", "dp")
     assert config.abstract_mesh(8).shape == {"replicate": 2, "dp": 4}
     off, notes = from_deepspeed({"zero_optimization": {"stage": 3, "mics_shard_size": -1}})
-    assert off == {"parallel": {"zero": 3}} and notes[0][0] == "zero_optimization.mics_shard_size"
+    assert off == {"parallel": {"zero": 3, "persist_below": 100_000}}  # DeepSpeed's default
+    assert notes[0][0] == "zero_optimization.mics_shard_size"
     with pytest.raises(ConfigError, match="a group size or -1; got 0"):
         from_deepspeed({"zero_optimization": {"mics_shard_size": 0}})
 
@@ -304,13 +305,15 @@ def test_zeropp_in_a_config_and_from_deepspeed():
             "stage": 3,
             "zero_hpz_partition_size": 2,
             "zero_quantized_weights": True,
+            "stage3_param_persistence_threshold": 0,
         }
     }
     data, unmapped = from_deepspeed(ds)
     assert unmapped == [] and RunConfig.from_dict(data).make_rules() == config.make_rules()
     assert RunConfig.from_dict(data).abstract_mesh(8).shape == {"node": 4, "dp": 2}
     off, notes = from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
-    assert off == {"parallel": {"zero": 3}} and notes[0][0].endswith("zero_hpz_partition_size")
+    assert off == {"parallel": {"zero": 3, "persist_below": 100_000}}
+    assert notes[0][0].endswith("zero_hpz_partition_size")
     with pytest.raises(ConfigError, match=r"need parallel\.zero: 3, got 2"):
         RunConfig.from_dict({"parallel": {"zero": 2, "quantize_weights": True}})
     with pytest.raises(ConfigError, match=r"name the axis across nodes as parallel\.node"):
@@ -509,7 +512,8 @@ def test_deepspeed_docs_configs_convert():
     with pytest.raises(ConfigError, match=r"bogus_feature \(no shardax setting"):
         from_deepspeed({"bogus_feature": {"enabled": True}})
     harmless = from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {}}})
-    assert harmless == ({"parallel": {"zero": 3}}, [])  # device none: DeepSpeed's default
+    # device none, and the persistence threshold: DeepSpeed's defaults
+    assert harmless == ({"parallel": {"zero": 3, "persist_below": 100_000}}, [])
     old = from_deepspeed({"zero_optimization": {"cpu_offload": False, "cpu_offload_params": True}})
     assert old[0]["memory"] == {"offload_params": "host"}
 
@@ -732,3 +736,32 @@ def test_muon_in_a_config_and_from_deepspeed():
                                  "muon": {"scale": "spectral", "adam_lr": 1e-3}}  # fmt: skip
     assert [k for k, _ in unmapped] == ["optimizer.params.ns_method", "optimizer.type=Muon"]
     RunConfig.from_dict(data).make_optimizer()
+
+
+def test_persist_below_in_a_config_and_from_deepspeed():
+    """``parallel.persist_below`` (ZeRO-3) keeps the parameters of fewer
+    elements whole, and the plan says so; DeepSpeed's
+    ``stage3_param_persistence_threshold`` converts to it — its default,
+    100000, where a ZeRO-3 config gives none, as DeepSpeed would run it; at
+    stages 0-2 a note, nothing split to keep whole; misuse refused by name."""
+    config = RunConfig.from_text("parallel: {zero: 3, persist_below: 1000}\n")
+    assert RunConfig.from_dict(config.to_dict()) == config
+    rules, mesh = config.make_rules(), config.abstract_mesh(4)
+    assert rules.spec_for("h.0.ln.weight", (64,), mesh, "params") == sx.P()
+    assert rules.spec_for("h.0.ln.weight", (64,), mesh, "grads") == sx.P("dp")
+    assert rules.spec_for("h.0.fc.weight", (64, 64), mesh, "params") == sx.P("dp")
+    assert "parameters of < 1000 elements whole" in config.plan(4)
+    data, unmapped = from_deepspeed(
+        {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4}}
+    )
+    assert data == {"parallel": {"zero": 3, "persist_below": 10_000}} and unmapped == []
+    data, unmapped = from_deepspeed(
+        {"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 1e4}}
+    )
+    assert data == {"parallel": {"zero": 2}}
+    assert unmapped[0][0] == "zero_optimization.stage3_param_persistence_threshold"
+    assert "only ZeRO-3 splits parameters" in unmapped[0][1]
+    with pytest.raises(
+        ConfigError, match=r"a number >= 0 with parallel.zero: 3; got 10 with zero 2"
+    ):
+        RunConfig.from_dict({"parallel": {"zero": 2, "persist_below": 10}})

@@ -16,6 +16,9 @@ from ._deepspeed_data import _ds_hpz, _ds_mics, _ds_qgz
 from ._deepspeed_optim import _ds_optimizer, _optimizer_name
 from ._deepspeed_values import Put, Skip, _flag, _number, _section, _whole
 
+PERSISTENCE_DEFAULT = 100_000
+"""DeepSpeed's ``stage3_param_persistence_threshold`` where a config sets none."""
+
 _DS_IGNORED = {
     "zero_optimization.overlap_comm": "always on: gradient buckets reduce while backward runs",
     "zero_optimization.contiguous_gradients": "not needed: gradients land in their buckets",
@@ -25,7 +28,6 @@ _DS_IGNORED = {
     "zero_optimization.stage3_prefetch_bucket_size": "ZeRO-3 prefetches the next unit",
     "zero_optimization.stage3_max_live_parameters": "ZeRO-3 keeps at most two units gathered",
     "zero_optimization.stage3_max_reuse_distance": "ZeRO-3 re-gathers for backward",
-    "zero_optimization.stage3_param_persistence_threshold": "every parameter is sharded",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
         "checkpoints are sharded; `shardax ckpt consolidate` writes the full weights"
     ),
@@ -264,6 +266,11 @@ def _ds_zero(zero: Mapping[str, Any], put: Put, skip: Skip) -> None:
                 _ds_qgz(zero, where, put)
         elif key == "zero_hpz_partition_size":
             _ds_hpz(_whole(where, value), where, put, skip)
+        elif key == "stage3_param_persistence_threshold":
+            if zero.get("stage") == 3:
+                put("parallel", "persist_below", int(_number(where, value)))
+            else:
+                skip(where, "only ZeRO-3 splits parameters", False)
         elif key == "mics_hierarchical_params_gather":
             skip(where, "hybrid sharding gathers parameters within a replica only", False)
         elif key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
@@ -276,6 +283,8 @@ def _ds_zero(zero: Mapping[str, Any], put: Put, skip: Skip) -> None:
             skip(where, _DS_IGNORED[where], False)
         else:
             skip(where, "no shardax setting for it")
+    if zero.get("stage") == 3 and "stage3_param_persistence_threshold" not in zero:
+        put("parallel", "persist_below", PERSISTENCE_DEFAULT)  # DeepSpeed's, as it would run
 
 
 def _ds_offload(value: Mapping[str, Any], where: str, target: str, put: Put, skip: Skip) -> None:

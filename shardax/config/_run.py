@@ -251,6 +251,8 @@ class RunConfig:
             zeropp["quantize_grads"] = True
         if p.secondary:  # hpZ: within the node, the data axis
             zeropp["secondary"] = p.zero_axis
+        if p.persist_below:
+            zeropp["persist_below"] = p.persist_below
         out = rules.zero(p.zero, self._zero_axes, **zeropp) + _memory_rules(self.memory)
         extra = {} if names is None else {"names": names}
         if p.tp is not None:
@@ -388,6 +390,8 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
               ("int4 gradient reduce-scatters (qgZ)", p.quantize_grads)) if on]  # fmt: skip
     if zeropp:
         presets[0] += " with ZeRO++: " + ", ".join(zeropp)
+    if p.persist_below:
+        presets[0] += f", parameters of < {p.persist_below} elements whole"
     if p.tp:
         presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
     if p.sp:

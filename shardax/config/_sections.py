@@ -44,6 +44,9 @@ class ParallelConfig:
     ``quantize_weights`` (qwZ: parameter gathers in int8; ZeRO-3) and
     ``quantize_grads`` (qgZ: gradients reduce-scattered in int4, within the
     node then across; ZeRO-2 or 3);
+    ``persist_below`` — ZeRO-3 keeps parameters of fewer elements than this
+    whole on every rank (DeepSpeed's ``stage3_param_persistence_threshold``;
+    0: every parameter split);
     ``tp`` — the mesh axis of ``rules.megatron`` (``sequence_parallel`` for
     Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``pp`` — the
     pipeline axis, run by the ``pp_schedule`` generator (``pipeline.<name>``)
@@ -64,6 +67,7 @@ class ParallelConfig:
     secondary: bool = attrs.field(default=False, converter=_as_bool("secondary"))
     quantize_weights: bool = attrs.field(default=False, converter=_as_bool("quantize_weights"))
     quantize_grads: bool = attrs.field(default=False, converter=_as_bool("quantize_grads"))
+    persist_below: int = attrs.field(default=0, converter=_as_int("persist_below"))
     tp: str | None = attrs.field(default=None, converter=_optional(_as_str, "tp"))
     sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
     sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
@@ -87,6 +91,12 @@ class ParallelConfig:
             raise ConfigError(
                 "secondary and quantize_weights (ZeRO++) change how split "
                 f"parameters are gathered; they need parallel.zero: 3, got {self.zero}"
+            )
+        if self.persist_below < 0 or (self.persist_below and self.zero != 3):
+            raise ConfigError(
+                "persist_below keeps parameters of fewer elements whole where ZeRO-3 would "
+                f"split them: a number >= 0 with parallel.zero: 3; got {self.persist_below} "
+                f"with zero {self.zero}"
             )
         if self.quantize_grads and (self.zero < 2 or self.node is None):
             raise ConfigError(

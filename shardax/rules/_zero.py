@@ -26,6 +26,7 @@ def zero(
     quantize_weights: bool = False,
     secondary: str | Iterable[str] | None = None,
     quantize_grads: bool = False,
+    persist_below: int = 0,
 ) -> Rules:
     """ZeRO (Rajbhandari et al., 2020) as rules: stage 1 splits the optimizer
     state over ``axis``, stage 2 also the gradients (reduced with
@@ -50,6 +51,14 @@ def zero(
       (:func:`shardax.collectives.quantized_psum_scatter`). Lossy: each
       contribution is off by up to half an int4 step of its block.
 
+    ``persist_below=N`` (stage 3): parameters of fewer than ``N`` elements
+    stay whole on every rank — no gathers for them in forward or backward,
+    their gradients reduce-scattered and their optimizer state split as
+    the others', each update all-gathered once: two gradient-sized
+    transfers a step instead of three, for their (small) memory on every
+    rank. DeepSpeed's ``stage3_param_persistence_threshold`` (default
+    100000 there; 0 here: every parameter split).
+
     >>> import shardax as sx
     >>> sx.rules.zero(2)
     Rules(ShardOver('dp', roles=('grads', 'opt_state')))
@@ -60,6 +69,11 @@ def zero(
     >>> zpp = sx.rules.zero(3, ("node", "local"), quantize_weights=True, secondary="local")
     >>> zpp.placement("w", (8, 3), sx.AbstractMesh({"node": 2, "local": 2}))
     Placement(compute=P(), grads=P(('node', 'local')), opt_state=P(('node', 'local')), weights='int8', secondary=P('local'))
+    >>> small = sx.rules.zero(3, persist_below=100_000)
+    >>> [small.spec_for(p, s, mesh, "params") for p, s in (("fc.weight", (512, 512)), ("fc.bias", (512,)))]
+    [P('dp'), P()]
+    >>> small.spec_for("fc.bias", (512,), mesh, "grads")
+    P('dp')
     """
     if isinstance(stage, bool) or stage not in _STAGES:
         raise ShardingError(f"ZeRO stage is 0, 1, 2 or 3; got {stage!r}")
@@ -67,6 +81,12 @@ def zero(
         raise ShardingError(
             f"rules.zero({stage}, quantize_grads=True): qgZ reduce-scatters split gradients, and "
             "stages 0 and 1 all-reduce whole ones; use rules.zero(2 or 3, ...)"
+        )
+    if stage != 3 and persist_below:
+        raise ShardingError(
+            f"rules.zero({stage}, persist_below={persist_below!r}): it keeps small parameters "
+            "whole where stage 3 would split them, and stages 0-2 keep every parameter whole; "
+            "use rules.zero(3, persist_below=...)"
         )
     if stage != 3 and (quantize_weights or secondary):
         raise ShardingError(
@@ -84,5 +104,6 @@ def zero(
             quantize_weights=quantize_weights,
             secondary=secondary or (),
             quantize_grads=quantize_grads,
+            persist_below=persist_below,
         )
     )

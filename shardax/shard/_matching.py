@@ -351,7 +351,7 @@ class Rules:
         else:
             spec = fit_spec(rule.spec, shape, mesh, path=path, divisible=self.divisible, rule=rule)
         for over in self.overs:
-            if role in over.roles and over.matches(path):
+            if over.splits(path, shape, role):
                 spec = fit_spec(over.extend(spec, shape, mesh), shape, mesh, path=path)
         return spec
 
@@ -372,7 +372,7 @@ class Rules:
         if zeropp and len(shape) and self.spec_for(path, shape, mesh, "params") != compute.spec:
             # gathered for compute: how (ZeRO++)
             for over in self.overs:
-                if "params" in over.roles and over.matches(path):
+                if over.splits(path, shape, "params"):
                     weights = "int8" if over.quantize_weights else weights
                     if over.secondary and secondary is None and not compute.partial:
                         spec = ShardOver(over.secondary).extend(compute.spec, shape, mesh)

@@ -95,6 +95,11 @@ class ShardOver:
     """ZeRO++'s qgZ: gradients reduce-scattered in int4, by an all-to-all
     over the later axes (within a node), then one over the first (across
     nodes)."""
+    persist_below: int = attrs.field(default=0, kw_only=True)
+    """Leaves of fewer elements than this are not split in the params role
+    (whole on every rank: no gathers in forward or backward; their
+    gradients and optimizer state still split): DeepSpeed's
+    ``stage3_param_persistence_threshold``."""
     _regex: re.Pattern[str] = attrs.field(init=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -111,6 +116,17 @@ class ShardOver:
                 f"ShardOver({option}=...) changes how split parameters are gathered, and "
                 f"{self.roles!r} does not split the parameters: use ZeRO-3 "
                 "(rules.zero(3, ...), roles including 'params')"
+            )
+        n = self.persist_below
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ShardingError(
+                f"ShardOver(persist_below={n!r}): a number of elements >= 0 (0: split every leaf)"
+            )
+        if n and "params" not in self.roles:
+            raise ShardingError(
+                f"ShardOver(persist_below={n}) keeps small parameters whole, and "
+                f"{self.roles!r} does not split the parameters: use ZeRO-3 "
+                "(rules.zero(3, persist_below=...), roles including 'params')"
             )
         outside = [a for a in self.secondary if a not in self.axis]
         if outside or self.secondary == self.axis:
@@ -132,6 +148,17 @@ class ShardOver:
 
     def matches(self, path: str) -> bool:
         return self._regex.fullmatch(path) is not None
+
+    def splits(self, path: str, shape: Sequence[int], role: str) -> bool:
+        """Whether this entry splits the leaf ``path`` of ``shape`` in ``role``.
+
+        >>> over = ShardOver("dp", persist_below=100)
+        >>> [over.splits("w", (8, 16), "params"), over.splits("b", (8,), "params"), over.splits("b", (8,), "grads")]
+        [True, False, True]
+        """
+        if role not in self.roles or not self.matches(path):
+            return False
+        return role != "params" or math.prod(shape) >= self.persist_below
 
     def extend(
         self, spec: PartitionSpec, shape: Sequence[int], mesh: AbstractMesh
@@ -172,7 +199,8 @@ class ShardOver:
         q += ", quantize_grads=True" if self.quantize_grads else ""
         second = self.secondary[0] if len(self.secondary) == 1 else self.secondary
         secondary = f", secondary={second!r}" if self.secondary else ""
-        return f"ShardOver({axis!r}{roles}{pattern}{q}{secondary})"
+        persist = f", persist_below={self.persist_below}" if self.persist_below else ""
+        return f"ShardOver({axis!r}{roles}{pattern}{q}{secondary}{persist})"
 
 
 @attrs.frozen(repr=False)

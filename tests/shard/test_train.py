@@ -235,6 +235,72 @@ def test_hybrid_sharding_matches_pytorch(stage, world_size):
         assert moved == [want] * 5
 
 
+PERSIST = 100  # of Net's leaves, the norms and biases (10 or 30 elements) stay whole
+
+
+def persist_ranks(steps: int):
+    """``steps`` AdamW steps under ``rules.zero(3, persist_below=PERSIST)``:
+    the losses, gradients and params; each step's traffic in
+    ``value_and_grad`` and in the update; the params and grads layouts."""
+    mesh = sx.Mesh({"dp": -1})
+    with torch.device("meta"):
+        model = Net()
+    torch.manual_seed(0)
+    params = sx.init_params(model, mesh, sx.rules.zero(3, persist_below=PERSIST))
+    opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    opt_state = opt.init(params)
+    n, i = mesh.size("dp"), mesh.axis_index("dp")
+    losses, grads, moved = [], [], []
+    for step in range(steps):
+        x, y = batch(step)
+        local = slice(i * BATCH // n, (i + 1) * BATCH // n)
+        with sx.collectives.traffic() as t:
+            loss, g = sx.value_and_grad(_loss)(params, model, x[local], y[local])
+        grads.append(sx.gather(g))
+        with sx.collectives.traffic() as u:
+            updates, opt_state = opt.update(g, opt_state, params)
+            params = sx.optim.apply_updates(params, updates)
+        moved.append((dict(t.bytes), dict(u.bytes)))
+        losses.append(loss.item())
+    layout = {k: (v.layout.spec, g[k].layout.spec) for k, v in params.items()}
+    return losses, grads, sx.gather(params), layout, moved
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_zero3_keeps_parameters_below_the_persistence_threshold_whole(world_size):
+    """``rules.zero(3, persist_below=N)`` (DeepSpeed's
+    ``stage3_param_persistence_threshold``): five AdamW steps equal one
+    process; the leaves of fewer than N elements stay whole on every rank,
+    their gradients split; and a step moves what the formula says, for ``S``
+    split and ``Q`` whole fp32 elements: the split ones all-gathered in
+    forward and backward (8S bytes), every gradient reduce-scattered
+    (4(S+Q)), and the whole ones' updates all-gathered once (4Q) — two
+    transfers of theirs a step instead of three."""
+    ref_losses, ref_grads, ref_params = reference(5)
+    small = {k for k, v in ref_params.items() if v.numel() < PERSIST}
+    assert small == {k for k in ref_params if k.endswith((".bias", "norm.weight"))}
+    whole = 4 * sum(ref_params[k].numel() for k in small)
+    split = 4 * sum(v.numel() for k, v in ref_params.items() if k not in small)
+    grad_step = {
+        ("all_gather", ("dp",)): 2 * split,
+        ("psum_scatter", ("dp",)): split + whole,
+        ("pmean", ("dp",)): 4,  # the loss
+    }
+    update_step = {("all_gather", ("dp",)): whole}
+    for losses, grads, params, layout, moved in run_ranks(persist_ranks, 5, world_size=2):
+        assert_matches(losses, grads, params, ref_losses, ref_grads, ref_params)
+        assert layout["blocks.0.up.bias"] == (P(), P("dp"))
+        assert layout["blocks.0.up.weight"] == (P("dp"), P("dp"))
+        assert moved == [(grad_step, update_step)] * 5
+
+
+def test_persist_below_is_refused_where_nothing_splits_the_parameters():
+    with pytest.raises(sx.ShardingError, match=r"rules.zero\(3, persist_below=...\)"):
+        sx.rules.zero(2, persist_below=100)
+    with pytest.raises(sx.ShardingError, match="a number of elements >= 0"):
+        sx.rules.zero(3, persist_below=-1)
+
+
 def unreduced_ranks(stage: int):
     mesh = sx.Mesh({"dp": -1})
     with torch.device("meta"):
