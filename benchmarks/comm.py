@@ -22,6 +22,10 @@ layouts (:data:`LAYOUTS`, ``docs/comm.md``):
   parameters under 100k elements (the embeddings, the attention's output
   projections, the norms and biases) stay whole, their gradients
   reduce-scattered and their updates gathered once a step;
+- ``zero3-keep``: ``zero3`` with ``keep_gathered=True`` (FSDP2's
+  ``reshard_after_forward=False``): the forward's gathers kept for the
+  backward, which gathers nothing — what ``deepspeed-zero3`` does on this
+  model (its gathers are once a step);
 - ``zero3-hpz``: ``zero3`` with ``secondary="local"`` (ZeRO++'s hpZ): the
   backward gathers from a copy split within the node;
 - ``zero3-qwz``: ``zero3`` with ``quantize_weights=True`` (ZeRO++'s qwZ):
@@ -255,6 +259,9 @@ LAYOUTS: dict[str, Layout] = {
     "zero3-persist": Layout(  # DeepSpeed's default: parameters under 100k elements kept whole
         mesh=NODE_LOCAL, rules=lambda: sx.rules.zero(3, BOTH, persist_below=PERSISTENCE)
     ),
+    "zero3-keep": Layout(  # the forward's gathers kept for the backward, as DeepSpeed's here
+        mesh=NODE_LOCAL, rules=lambda: sx.rules.zero(3, BOTH, keep_gathered=True)
+    ),
     "zero3-hpz": Layout(mesh=NODE_LOCAL, rules=lambda: sx.rules.zero(3, BOTH, secondary="local")),
     "zero3-qwz": Layout(
         mesh=NODE_LOCAL, rules=lambda: sx.rules.zero(3, BOTH, quantize_weights=True), exact=False
@@ -340,6 +347,7 @@ INEXACT_DEEPSPEED = {"deepspeed-zeropp", "deepspeed-onebit-adam", "deepspeed-zer
 COUNTERPARTS = {
     "zero3": "deepspeed-zero3",
     "zero3-persist": "deepspeed-zero3-persist",
+    "zero3-keep": "deepspeed-zero3",  # which gathers once a step here (benchmarks/README.md)
     "zeropp": "deepspeed-zeropp",
     "onebit-adam": "deepspeed-onebit-adam",
     "zero-one-adam": "deepspeed-zero-one-adam",
@@ -785,7 +793,7 @@ def print_table(summary: dict, file=sys.stderr) -> None:
             line += f"{s['last_loss']:>11.5f}"
             line += f"{s.get('tokens_per_s_vs_zero3', float('nan')):>15.2f}"
             line += f"{s.get('bytes_across_vs_zero3', float('nan')):>12.2f}"
-            for anchor in COUNTERPARTS.values():
+            for anchor in dict.fromkeys(COUNTERPARTS.values()):
                 if f"tokens_per_s_vs_{anchor}" in s:
                     line += f"  tok/s ÷ {anchor} {s[f'tokens_per_s_vs_{anchor}']:.2f}"
             print(line, file=file)

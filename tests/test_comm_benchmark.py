@@ -188,6 +188,10 @@ def test_comm_benchmark_smoke(tmp_path):
     )
     assert across["hsdp"] < across["zero3"], across
     assert across["zero3-persist"] < across["zero3"], across  # the tiny GPT: every leaf kept
+    assert across["zero3-keep"] < across["zero3"], across  # no backward gathers
+    assert stats["zero3-keep"]["traffic_bytes"]["all_gather:node,local"] == pytest.approx(
+        stats["zero3"]["traffic_bytes"]["all_gather:node,local"] / 2
+    )
     # the exact layouts start from the same weights and batch: the same first loss
     firsts = [s["first_loss"] for name, s in stats.items() if comm.exact(name)]
     assert max(firsts) - min(firsts) <= comm.EXACT_FIRST

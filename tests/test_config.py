@@ -765,3 +765,16 @@ def test_persist_below_in_a_config_and_from_deepspeed():
         ConfigError, match=r"a number >= 0 with parallel.zero: 3; got 10 with zero 2"
     ):
         RunConfig.from_dict({"parallel": {"zero": 2, "persist_below": 10}})
+
+
+def test_keep_gathered_in_a_config():
+    """``parallel.keep_gathered`` (ZeRO-3) places every split parameter to
+    be kept from its forward gather to the backward, and the plan says so;
+    without ZeRO-3, or beside hpZ's secondary copy, it is refused by name."""
+    config = RunConfig.from_text("parallel: {zero: 3, keep_gathered: true}\n")
+    assert RunConfig.from_dict(config.to_dict()) == config
+    placement = config.make_rules().placement("h.0.fc.weight", (64, 64), config.abstract_mesh(4))
+    assert placement.keep_gathered and "keep_gathered=True" in repr(placement)
+    assert "gathered parameters kept for the backward" in config.plan(4)
+    with pytest.raises(ConfigError, match=r"it needs parallel\.zero: 3, and replaces secondary"):
+        RunConfig.from_dict({"parallel": {"zero": 2, "keep_gathered": True}})

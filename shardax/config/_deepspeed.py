@@ -27,7 +27,10 @@ _DS_IGNORED = {
     "zero_optimization.allgather_bucket_size": "ZeRO-3 gathers one unit (a block) at a time",
     "zero_optimization.stage3_prefetch_bucket_size": "ZeRO-3 prefetches the next unit",
     "zero_optimization.stage3_max_live_parameters": "ZeRO-3 keeps at most two units gathered",
-    "zero_optimization.stage3_max_reuse_distance": "ZeRO-3 re-gathers for backward",
+    "zero_optimization.stage3_max_reuse_distance": (
+        "ZeRO-3 gathers again for the backward; parallel.keep_gathered: true keeps the "
+        "forward's gathers instead (for the memory of every block's parameters at once)"
+    ),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
         "checkpoints are sharded; `shardax ckpt consolidate` writes the full weights"
     ),

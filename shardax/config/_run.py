@@ -253,6 +253,8 @@ class RunConfig:
             zeropp["secondary"] = p.zero_axis
         if p.persist_below:
             zeropp["persist_below"] = p.persist_below
+        if p.keep_gathered:
+            zeropp["keep_gathered"] = True
         out = rules.zero(p.zero, self._zero_axes, **zeropp) + _memory_rules(self.memory)
         extra = {} if names is None else {"names": names}
         if p.tp is not None:
@@ -392,6 +394,8 @@ def _plan_text(run: RunConfig, world_size: int) -> str:
         presets[0] += " with ZeRO++: " + ", ".join(zeropp)
     if p.persist_below:
         presets[0] += f", parameters of < {p.persist_below} elements whole"
+    if p.keep_gathered:
+        presets[0] += ", gathered parameters kept for the backward"
     if p.tp:
         presets.append(f"rules.megatron({p.tp!r}, sequence_parallel={p.sequence_parallel})")
     if p.sp:

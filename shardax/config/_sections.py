@@ -46,7 +46,9 @@ class ParallelConfig:
     node then across; ZeRO-2 or 3);
     ``persist_below`` — ZeRO-3 keeps parameters of fewer elements than this
     whole on every rank (DeepSpeed's ``stage3_param_persistence_threshold``;
-    0: every parameter split);
+    0: every parameter split); ``keep_gathered`` — ZeRO-3 keeps the forward's
+    gathered parameters for the backward instead of gathering them again
+    (FSDP2's ``reshard_after_forward=False``);
     ``tp`` — the mesh axis of ``rules.megatron`` (``sequence_parallel`` for
     Megatron-SP); ``sp`` — the axis of ``rules.ulysses``; ``pp`` — the
     pipeline axis, run by the ``pp_schedule`` generator (``pipeline.<name>``)
@@ -68,6 +70,7 @@ class ParallelConfig:
     quantize_weights: bool = attrs.field(default=False, converter=_as_bool("quantize_weights"))
     quantize_grads: bool = attrs.field(default=False, converter=_as_bool("quantize_grads"))
     persist_below: int = attrs.field(default=0, converter=_as_int("persist_below"))
+    keep_gathered: bool = attrs.field(default=False, converter=_as_bool("keep_gathered"))
     tp: str | None = attrs.field(default=None, converter=_optional(_as_str, "tp"))
     sequence_parallel: bool = attrs.field(default=False, converter=_as_bool("sequence_parallel"))
     sp: str | None = attrs.field(default=None, converter=_optional(_as_str, "sp"))
@@ -97,6 +100,13 @@ class ParallelConfig:
                 "persist_below keeps parameters of fewer elements whole where ZeRO-3 would "
                 f"split them: a number >= 0 with parallel.zero: 3; got {self.persist_below} "
                 f"with zero {self.zero}"
+            )
+        if self.keep_gathered and (self.zero != 3 or self.secondary):
+            raise ConfigError(
+                "keep_gathered keeps the parameters ZeRO-3 gathers for the forward until the "
+                "backward: it needs parallel.zero: 3, and replaces secondary (hpZ: backward "
+                f"gathers from a copy in the node); got zero {self.zero}, secondary "
+                f"{self.secondary}"
             )
         if self.quantize_grads and (self.zero < 2 or self.node is None):
             raise ConfigError(

@@ -314,8 +314,9 @@ def _state_arithmetic(
     outer = shape.params - shape.layers * shape.block_params
     n = (shape.layers // s.pp * shape.block_params + outer) / s.tp
     zero, dp = config.parallel.zero, s.dp // s.replicas  # HSDP: split within a replica
+    whole = _kept_whole(config, shape, shape.layers // s.pp, s)  # persist_below: on every rank
     state = {
-        "params": n * pbytes / (dp if zero == 3 else 1),
+        "params": (n - whole) * pbytes / (dp if zero == 3 else 1) + whole * pbytes,
         "grads": n * pbytes / (dp if zero >= 2 else 1),
         "opt_state": n * _optimizer_bytes(config) / (dp if zero >= 1 else 1),
     }
@@ -420,7 +421,10 @@ def _estimate(
     grads_n = (per_rank * block + outer) / s.tp  # elements this rank reduces
     dp_axes = config.data_axes
     dp_link = _group_link(mesh, dp_axes, cluster)
-    time["dp_comm"], overlappable = _dp_time(config, s, grads_n, nbytes, mesh, cluster, remat)
+    whole_n = _kept_whole(config, shape, per_rank, s)
+    time["dp_comm"], overlappable = _dp_time(
+        config, s, grads_n, nbytes, mesh, cluster, remat, whole_n
+    )
     hidden_part = 0.0 if s.pp > 1 else min(overlappable, cluster.overlap * compute_window)
     time["dp_comm"] -= hidden_part
     if s.dp > 1:
@@ -442,7 +446,9 @@ def _estimate(
     offloaded: dict[str, float] = {}
     for role, b in state.items():
         (offloaded if " (" in role else memory)[role] = b
-    if p.zero == 3:
+    if p.zero == 3 and p.keep_gathered:  # every block's, from its forward to its backward
+        memory["gathered"] = grads_n * nbytes
+    elif p.zero == 3:
         unit = shape.block_params / s.tp
         memory["gathered"] = unit * nbytes * (2 if p.prefetch else 1) + unit * nbytes
     full = tokens * shape.layer_saved(seq, flash=flash, tp=s.tp, split_width=split) * nbytes
@@ -504,6 +510,16 @@ def _stages(name: str, ranks: int, virtual: int) -> int:
     return ranks
 
 
+def _kept_whole(config: RunConfig, shape: ModelShape, blocks: int, s: _Sizes) -> float:
+    """The elements of a rank's ``blocks`` (and what lies outside them)
+    that ZeRO-3's ``persist_below`` keeps whole, per tensor-parallel rank."""
+    below = config.parallel.persist_below
+    if config.parallel.zero != 3 or not below:
+        return 0.0
+    block, outer = shape.kept_whole(below)
+    return (blocks * block + outer) / s.tp
+
+
 def _dp_time(
     config: RunConfig,
     s: _Sizes,
@@ -512,6 +528,7 @@ def _dp_time(
     mesh: Any,
     cluster: Cluster,
     remat: float,
+    whole: float = 0.0,
 ) -> tuple[float, float]:
     """(seconds of the data axes' collectives per step, the part of them
     that can run under the compute): gradients reduced each micro-batch
@@ -521,7 +538,10 @@ def _dp_time(
     collectives within a replica, the gradient shards all-reduced across
     the replicas. ZeRO++ (``parallel.node``): forward gathers in int8
     (qwZ), backward's within the node (hpZ), the reduce-scatter as int4
-    all-to-alls within the node then across (qgZ)."""
+    all-to-alls within the node then across (qgZ); ``keep_gathered``: no
+    backward gathers. ``whole`` of the ``elements`` ZeRO-3 keeps whole
+    (``persist_below``): not gathered for the forward and backward, their
+    update gathered after the step (not under the compute)."""
     p, zero = config.parallel, config.parallel.zero
     size = elements * nbytes
     data = _group_link(mesh, config.data_axes, cluster)
@@ -543,14 +563,18 @@ def _dp_time(
     grads *= reduces
     gather = collective_time("all_gather", size, shard, shard_link)
     if zero == 3:
-        forward = gather
+        split = elements - whole  # gathered for each forward and backward
+        forward = collective_time("all_gather", split * nbytes, shard, shard_link)
         if p.quantize_weights:  # qwZ: int8 blocks
-            forward = collective_time("all_gather", elements * (1 + 4 / 256), shard, shard_link)
+            forward = collective_time("all_gather", split * (1 + 4 / 256), shard, shard_link)
         backward = forward
         if p.secondary:  # hpZ: from the copy within the node
-            backward = collective_time("all_gather", size, s.inner, node_link)
+            backward = collective_time("all_gather", split * nbytes, s.inner, node_link)
+        if p.keep_gathered:  # the forward's gather kept for the backward
+            backward = 0.0
         gathers = (forward + backward + (remat > 0) * forward) * s.micro_batches
-        return grads + gathers, grads + gathers
+        after = collective_time("all_gather", whole * nbytes, shard, shard_link) if whole else 0.0
+        return grads + gathers + after, grads + gathers
     after = gather if zero >= 1 else 0.0
     return grads + after, grads
 

@@ -78,6 +78,12 @@ class ModelShape:
     experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     top_k: int = attrs.field(default=1, validator=_positive)  # experts a token meets
     expert_params: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # per block
+    block_tensors: tuple[int, ...] = attrs.field(default=(), converter=tuple, kw_only=True)
+    """The elements of each of a block's tensors (:meth:`of` reads them;
+    by hand: ``()``, a block's matrices and norms estimated from its widths)."""
+    outer_tensors: tuple[int, ...] = attrs.field(default=(), converter=tuple, kw_only=True)
+    """The elements of each tensor outside the blocks (embeddings, the final
+    norm, an untied head); ``()``: estimated."""
 
     def __attrs_post_init__(self) -> None:
         if self.kv_heads is None:
@@ -88,6 +94,28 @@ class ModelShape:
     @property
     def attention_width(self) -> int:
         return self.heads * self.head_dim
+
+    def kept_whole(self, below: int) -> tuple[int, int]:
+        """The elements of one block, and outside the blocks, in tensors of
+        fewer than ``below`` elements: what ZeRO-3's ``persist_below``
+        keeps whole. By hand (no tensor sizes), a block's are its q, k, v
+        and output projections, its MLP's two matrices and two norms'
+        weights and biases; outside, the token embedding and a norm.
+
+        >>> m = ModelShape(layers=2, width=256, heads=4, mlp=1024, vocab=512,
+        ...                block_matmul=12 * 256**2, head_matmul=512 * 256,
+        ...                params=1_000_000, block_params=12 * 256**2)
+        >>> m.kept_whole(100_000)   # the four 256 x 256 projections and the norms
+        (263168, 512)
+        """
+        kv = self.kv_heads * self.head_dim
+        block = self.block_tensors or (
+            self.width * self.attention_width, self.width * kv, self.width * kv,
+            self.attention_width * self.width, self.width * self.mlp, self.mlp * self.width,
+            *(self.width,) * 4,
+        )  # fmt: skip
+        outer = self.outer_tensors or (self.vocab * self.width, self.width, self.width)
+        return sum(n for n in block if n < below), sum(n for n in outer if n < below)
 
     def layer_flops(self, seq: int) -> float:
         """Forward FLOPs of one block per token: its matmuls and attention."""
@@ -187,7 +215,12 @@ class ModelShape:
             experts=expert_count,
             top_k=top_k if expert_count else 1,
             expert_params=sum(p.numel() for p in block.parameters() if p.dim() == 3),
-        )
+            block_tensors=tuple(p.numel() for p in block.parameters()),
+            outer_tensors=tuple(
+                p.numel() for name, p in model.named_parameters()
+                if not name.startswith(f"{blocks_path}.")
+            ),
+        )  # fmt: skip
 
 
 def _is_matmul(module: nn.Module) -> bool:

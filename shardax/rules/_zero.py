@@ -27,6 +27,7 @@ def zero(
     secondary: str | Iterable[str] | None = None,
     quantize_grads: bool = False,
     persist_below: int = 0,
+    keep_gathered: bool = False,
 ) -> Rules:
     """ZeRO (Rajbhandari et al., 2020) as rules: stage 1 splits the optimizer
     state over ``axis``, stage 2 also the gradients (reduced with
@@ -59,6 +60,14 @@ def zero(
     rank. DeepSpeed's ``stage3_param_persistence_threshold`` (default
     100000 there; 0 here: every parameter split).
 
+    ``keep_gathered=True`` (stage 3): the parameters the forward gathers
+    stay until backward has used them, instead of being gathered again —
+    FSDP2's ``reshard_after_forward=False``, and what DeepSpeed does where
+    ``stage3_max_reuse_distance`` covers the model: two transfers a step
+    instead of three, for the whole parameters held from a block's
+    forward to its backward (ZeRO-2's memory for them during the step;
+    they are split between steps).
+
     >>> import shardax as sx
     >>> sx.rules.zero(2)
     Rules(ShardOver('dp', roles=('grads', 'opt_state')))
@@ -88,6 +97,11 @@ def zero(
             "whole where stage 3 would split them, and stages 0-2 keep every parameter whole; "
             "use rules.zero(3, persist_below=...)"
         )
+    if stage != 3 and keep_gathered:
+        raise ShardingError(
+            f"rules.zero({stage}, keep_gathered=True): it keeps gathered parameters for backward, "
+            "and only stage 3 gathers them; use rules.zero(3, keep_gathered=True)"
+        )
     if stage != 3 and (quantize_weights or secondary):
         raise ShardingError(
             f"rules.zero({stage}, quantize_weights=..., secondary=...): ZeRO++'s weight options "
@@ -105,5 +119,6 @@ def zero(
             secondary=secondary or (),
             quantize_grads=quantize_grads,
             persist_below=persist_below,
+            keep_gathered=keep_gathered,
         )
     )

@@ -205,6 +205,16 @@ def _secondaries(unit: _Unit, values: Sequence[torch.Tensor]) -> list[Sharded | 
     return kept if any(k is not None for k in kept) else None
 
 
+def _keeps_gathered(unit: _Unit) -> bool:
+    """Whether ``unit``'s gathered parameters stay alive for its backward
+    (``rules.zero(3, keep_gathered=True)`` placed each of them): autograd
+    keeps what it saves of them, and backward gathers nothing."""
+    items = _items(unit)
+    return bool(items) and all(
+        x.placement is not None and x.placement.keep_gathered for x, _ in items
+    )
+
+
 def _items(unit: _Unit) -> list[tuple[Sharded, Layout]]:
     """A unit's Sharded parameters, each with the layout it computes in."""
     return [(x, role_layout(x, "compute")) for _, x, _ in unit.slots if isinstance(x, Sharded)]
@@ -261,7 +271,7 @@ class _Run:
             gathered = self._start(unit)
             self.pending.pop(unit.index, None)
             values = gathered.wait()
-            if self.regather is not None:
+            if self.regather is not None and not _keeps_gathered(unit):
                 self.regather.hold(unit.index, gathered)
                 kept = _secondaries(unit, values)
                 if kept is not None:

@@ -367,13 +367,14 @@ class Rules:
             if offload.matches(path):
                 for role in offload.roles:
                     memory.setdefault(role, offload.kind)
-        weights, secondary = "exact", None
-        zeropp = any(o.quantize_weights or o.secondary for o in self.overs)
+        weights, secondary, keep = "exact", None, False
+        zeropp = any(o.quantize_weights or o.secondary or o.keep_gathered for o in self.overs)
         if zeropp and len(shape) and self.spec_for(path, shape, mesh, "params") != compute.spec:
             # gathered for compute: how (ZeRO++)
             for over in self.overs:
                 if over.splits(path, shape, "params"):
                     weights = "int8" if over.quantize_weights else weights
+                    keep = keep or over.keep_gathered
                     if over.secondary and secondary is None and not compute.partial:
                         spec = ShardOver(over.secondary).extend(compute.spec, shape, mesh)
                         spec = fit_spec(spec, shape, mesh, path=path)
@@ -386,7 +387,7 @@ class Rules:
                 across = over.axis[:1]
         return Placement(
             compute, grads, opt, modules=self.modules, memory=memory, weights=weights,
-            secondary=secondary, grads_across=across,
+            secondary=secondary, grads_across=across, keep_gathered=keep,
         )  # fmt: skip
 
     def unmatched(self, paths: Iterable[str]) -> list[str]:

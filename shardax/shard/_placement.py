@@ -95,6 +95,9 @@ class ShardOver:
     """ZeRO++'s qgZ: gradients reduce-scattered in int4, by an all-to-all
     over the later axes (within a node), then one over the first (across
     nodes)."""
+    keep_gathered: bool = attrs.field(default=False, kw_only=True, converter=bool)
+    """The forward's gathered parameters are kept until backward has used
+    them, not gathered again (FSDP2's ``reshard_after_forward=False``)."""
     persist_below: int = attrs.field(default=0, kw_only=True)
     """Leaves of fewer elements than this are not split in the params role
     (whole on every rank: no gathers in forward or backward; their
@@ -121,6 +124,14 @@ class ShardOver:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ShardingError(
                 f"ShardOver(persist_below={n!r}): a number of elements >= 0 (0: split every leaf)"
+            )
+        if self.keep_gathered and ("params" not in self.roles or self.secondary):
+            raise ShardingError(
+                f"ShardOver({self.axis!r}, roles={self.roles!r}, keep_gathered=True"
+                + (f", secondary={self.secondary!r}" if self.secondary else "")
+                + "): keeping the gathered parameters for backward needs ZeRO-3 (roles including "
+                "'params'), and makes hpZ's secondary copy pointless (backward gathers nothing): "
+                "choose one of keep_gathered and secondary"
             )
         if n and "params" not in self.roles:
             raise ShardingError(
@@ -199,7 +210,8 @@ class ShardOver:
         q += ", quantize_grads=True" if self.quantize_grads else ""
         second = self.secondary[0] if len(self.secondary) == 1 else self.secondary
         secondary = f", secondary={second!r}" if self.secondary else ""
-        persist = f", persist_below={self.persist_below}" if self.persist_below else ""
+        persist = ", keep_gathered=True" if self.keep_gathered else ""
+        persist += f", persist_below={self.persist_below}" if self.persist_below else ""
         return f"ShardOver({axis!r}{roles}{pattern}{q}{secondary}{persist})"
 
 
@@ -238,6 +250,9 @@ class Placement:
     """ZeRO++'s qgZ: the axes across nodes, when the gradient contributions
     are reduce-scattered in int4 (within a node over the grads layout's
     other axes, then across these); () for an exact reduction."""
+    keep_gathered: bool = attrs.field(default=False, kw_only=True, converter=bool)
+    """The forward's gather is kept for the backward, not made again
+    (``rules.zero(3, keep_gathered=True)``)."""
 
     def memory_kind(self, role: str) -> str:
         """Where ``role``'s local data lives: ``"device"`` unless offloaded.
@@ -275,6 +290,8 @@ class Placement:
         secondary = f", secondary={self.secondary.spec!r}" if self.secondary is not None else ""
         if self.grads_across:
             secondary += f", grads_across={self.grads_across!r}"
+        if self.keep_gathered:
+            secondary += ", keep_gathered=True"
         return (
             f"Placement(compute={self.compute.spec!r}{partial}, grads={self.grads.spec!r}, "
             f"opt_state={self.opt_state.spec!r}{memory}{weights}{secondary})"

@@ -180,6 +180,42 @@ def test_zero_stages_trade_memory_for_traffic():
     assert est[3].time["dp_comm"] >= est[0].time["dp_comm"] >= 0
 
 
+def test_persist_below_trades_a_few_whole_parameters_for_fewer_gathers():
+    """ZeRO-3 with ``persist_below`` (DeepSpeed's default 100000): the
+    tensors under it — a GPT-2's norms, biases and position embedding — are
+    held whole on each rank (the exact state, from ``explain``, and the
+    arithmetic one agree), and the step gathers less; the shape read off
+    the model knows which tensors those are. Across a slow network the
+    step's collectives are longer than its compute and it is quicker; with
+    ``keep_gathered`` quicker still (no backward gathers), holding every
+    block's parameters at once."""
+    model = _gpt2(4, 256, 8, vocab=8192, seq=256)
+    shape = sx.plan.ModelShape.of(model)
+    whole = {name: p.numel() for name, p in model.named_parameters() if p.numel() < 100_000}
+    assert whole and all(n < 100_000 for n in shape.block_tensors if n in whole.values())
+    block, outer = shape.kept_whole(100_000)
+    assert shape.layers * block + outer == sum(whole.values())
+    n = sum(p.numel() for p in model.parameters())
+    cluster = attrs.evolve(sx.plan.Cluster.load("a100-80gb").with_nodes(2),
+                           inter=sx.plan.Link(bandwidth="1.25 GB/s", latency="10 us"))  # fmt: skip
+    est = {}
+    for below in (0, 100_000):
+        run = RunConfig.from_dict({"parallel": {"zero": 3, "persist_below": below},
+                                   "batch": {"global": 64, "micro": 4}})  # fmt: skip
+        est[below] = sx.plan.predict(run, model, cluster, seq=256)
+        arithmetic = sx.plan.predict(run, None, cluster, seq=256, shape=shape)
+        assert arithmetic.memory["params"] == pytest.approx(est[below].memory["params"], rel=1e-3)
+    kept = sum(whole.values())
+    assert est[100_000].memory["params"] == pytest.approx(4 * ((n - kept) / 16 + kept), rel=1e-3)
+    assert est[100_000].step_time < est[0].step_time
+    keep = RunConfig.from_dict({"parallel": {"zero": 3, "keep_gathered": True},
+                                "batch": {"global": 64, "micro": 4}})  # fmt: skip
+    kept = sx.plan.predict(keep, model, cluster, seq=256)
+    assert kept.step_time < est[100_000].step_time  # no backward gathers
+    assert kept.memory["gathered"] == pytest.approx(4 * n, rel=1e-3)  # every block's at once
+    assert kept.memory["gathered"] > est[0].memory["gathered"]
+
+
 # -- the search, its table, its config, its errors --------------------------------------
 
 

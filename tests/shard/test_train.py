@@ -238,24 +238,33 @@ def test_hybrid_sharding_matches_pytorch(stage, world_size):
 PERSIST = 100  # of Net's leaves, the norms and biases (10 or 30 elements) stay whole
 
 
-def persist_ranks(steps: int):
-    """``steps`` AdamW steps under ``rules.zero(3, persist_below=PERSIST)``:
-    the losses, gradients and params; each step's traffic in
-    ``value_and_grad`` and in the update; the params and grads layouts."""
+def zero3_ranks(steps: int, **options):
+    """``steps`` AdamW steps under ``rules.zero(3, **options)``: the losses,
+    gradients and params; each step's traffic in ``value_and_grad`` and in
+    the update; the params and grads layouts; how many of the blocks'
+    gathered weights were still alive when the forward ended."""
     mesh = sx.Mesh({"dp": -1})
     with torch.device("meta"):
         model = Net()
+        model.blocks = nn.ModuleList([Spy(), Spy()])
     torch.manual_seed(0)
-    params = sx.init_params(model, mesh, sx.rules.zero(3, persist_below=PERSIST))
+    params = sx.init_params(model, mesh, sx.rules.zero(3, **options))
     opt = sx.optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
     opt_state = opt.init(params)
     n, i = mesh.size("dp"), mesh.axis_index("dp")
-    losses, grads, moved = [], [], []
+    losses, grads, moved, alive = [], [], [], []
+
+    def loss_fn(p, x, y):
+        SEEN.clear()
+        loss = _loss(p, model, x, y)
+        alive.append(sum(not r.expired() for r in SEEN))
+        return loss
+
     for step in range(steps):
         x, y = batch(step)
         local = slice(i * BATCH // n, (i + 1) * BATCH // n)
         with sx.collectives.traffic() as t:
-            loss, g = sx.value_and_grad(_loss)(params, model, x[local], y[local])
+            loss, g = sx.value_and_grad(loss_fn)(params, x[local], y[local])
         grads.append(sx.gather(g))
         with sx.collectives.traffic() as u:
             updates, opt_state = opt.update(g, opt_state, params)
@@ -263,7 +272,7 @@ def persist_ranks(steps: int):
         moved.append((dict(t.bytes), dict(u.bytes)))
         losses.append(loss.item())
     layout = {k: (v.layout.spec, g[k].layout.spec) for k, v in params.items()}
-    return losses, grads, sx.gather(params), layout, moved
+    return losses, grads, sx.gather(params), layout, moved, alive
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -287,11 +296,39 @@ def test_zero3_keeps_parameters_below_the_persistence_threshold_whole(world_size
         ("pmean", ("dp",)): 4,  # the loss
     }
     update_step = {("all_gather", ("dp",)): whole}
-    for losses, grads, params, layout, moved in run_ranks(persist_ranks, 5, world_size=2):
+    runs = run_ranks(zero3_ranks, 5, persist_below=PERSIST, world_size=world_size)
+    for losses, grads, params, layout, moved, _ in runs:
         assert_matches(losses, grads, params, ref_losses, ref_grads, ref_params)
         assert layout["blocks.0.up.bias"] == (P(), P("dp"))
         assert layout["blocks.0.up.weight"] == (P("dp"), P("dp"))
         assert moved == [(grad_step, update_step)] * 5
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_zero3_keeping_the_gathered_parameters_gathers_once_a_step(world_size):
+    """``rules.zero(3, keep_gathered=True)`` (FSDP2's
+    ``reshard_after_forward=False``): five AdamW steps equal one process;
+    the blocks' gathered weights are still alive when the forward ends
+    (plain ZeRO-3 has let both go: see above), and a step gathers the
+    parameters once, for the forward (4P bytes, not 8P), beside the
+    gradients' reduce-scatter (4P); the update moves nothing."""
+    ref_losses, ref_grads, ref_params = reference(5)
+    size = 4 * sum(t.numel() for t in ref_params.values())
+    grad_step = {
+        ("all_gather", ("dp",)): size,
+        ("psum_scatter", ("dp",)): size,
+        ("pmean", ("dp",)): 4,  # the loss
+    }
+    runs = run_ranks(zero3_ranks, 5, keep_gathered=True, world_size=world_size)
+    for losses, grads, params, layout, moved, alive in runs:
+        assert_matches(losses, grads, params, ref_losses, ref_grads, ref_params)
+        assert layout["blocks.0.up.weight"] == (P("dp"), P("dp"))
+        assert moved == [(grad_step, {})] * 5
+        assert alive == [2] * 5
+    with pytest.raises(sx.ShardingError, match="choose one of keep_gathered and secondary"):
+        sx.rules.zero(3, ("node", "local"), keep_gathered=True, secondary="local")
+    with pytest.raises(sx.ShardingError, match=r"use rules.zero\(3, keep_gathered=True\)"):
+        sx.rules.zero(2, keep_gathered=True)
 
 
 def test_persist_below_is_refused_where_nothing_splits_the_parameters():
