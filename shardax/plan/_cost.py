@@ -42,6 +42,7 @@ from torch import nn
 
 from ..config import RunConfig
 from ..errors import PlanError
+from ..shard._explain import KEPT
 from ._cluster import Cluster, Link
 from ._model import VOCAB_TRAFFIC, ModelShape
 from ._pipe import pipeline_time
@@ -322,6 +323,8 @@ def _state_arithmetic(
     }
     if config.parallel.secondary:  # hpZ: the copy split within the node
         state["secondary"] = n * pbytes / s.inner
+    if zero == 3 and config.parallel.keep_gathered:  # every block's, forward to backward
+        state[KEPT] = n * pbytes
     return state
 
 
@@ -446,9 +449,7 @@ def _estimate(
     offloaded: dict[str, float] = {}
     for role, b in state.items():
         (offloaded if " (" in role else memory)[role] = b
-    if p.zero == 3 and p.keep_gathered:  # every block's, from its forward to its backward
-        memory["gathered"] = grads_n * nbytes
-    elif p.zero == 3:
+    if p.zero == 3 and not p.keep_gathered:  # with it: the state's 'kept gathered'
         unit = shape.block_params / s.tp
         memory["gathered"] = unit * nbytes * (2 if p.prefetch else 1) + unit * nbytes
     full = tokens * shape.layer_saved(seq, flash=flash, tp=s.tp, split_width=split) * nbytes

@@ -303,7 +303,7 @@ def explain(
 
     totals: _Table = {}
     roles: dict[str, _Table] = {}
-    zeropp: dict[str, list[Any]] = {"int8": [], "secondary": []}
+    zeropp: dict[str, list[Any]] = {"int8": [], "secondary": [], "kept": []}
     rows = []
     for path, leaf, layout in zip(paths, leaves, layouts, strict=True):
         if layout is None:
@@ -329,6 +329,10 @@ def explain(
                 _add(roles.setdefault("secondary", {}), counted(placed.secondary, shape)[1],
                      leaf.dtype.itemsize)  # fmt: skip
                 zeropp["secondary"].append(placed.secondary.spec.axes)
+            if placed.keep_gathered:  # gathered once, held from forward to backward
+                _add(roles.setdefault(KEPT, {}), counted(placed.compute, shape)[1],
+                     leaf.dtype.itemsize)  # fmt: skip
+                zeropp["kept"].append(path)
             if placed.weights == "int8":
                 zeropp["int8"].append((math.prod(shape), leaf.dtype.itemsize))
         rows.append(Row(path, shape, leaf.dtype, layout, local_shape, numels))
@@ -353,6 +357,10 @@ def explain(
     )
 
 
+KEPT = "kept gathered"
+"""The role ``explain`` counts ``keep_gathered``'s gathers under."""
+
+
 def _zeropp_notes(zeropp: dict[str, list[Any]]) -> list[str]:
     """What ZeRO++'s options change, in words: the int8 gathers' bytes
     against the exact ones (qwZ), and backward's gathers from the secondary
@@ -365,6 +373,12 @@ def _zeropp_notes(zeropp: dict[str, list[Any]]) -> list[str]:
             f"ZeRO++ qwZ: {len(zeropp['int8'])} tensors gathered as int8 blocks (a byte a value, "
             f"4 B of scale per 256): about {format_bytes(int8)} per gather of them all, for "
             f"{format_bytes(exact)} exact"
+        )
+    if zeropp["kept"]:
+        notes.append(
+            f"keep_gathered: {len(zeropp['kept'])} tensors gathered once a step and held from "
+            f"their forward to their backward ('{KEPT}' above: all of them at the end of the "
+            "forward), not gathered again"
         )
     if zeropp["secondary"]:
         axes = sorted({a for axes_ in zeropp["secondary"] for a in axes_})
