@@ -303,6 +303,25 @@ def _train_200(tmp_path: Path, name: str, config_text: str, nproc: int) -> tuple
     ), done.stdout
 
 
+@pytest.mark.slow  # the mechanisms: tests/shard/test_train.py (default run)
+def test_train_gpt_with_zero3s_gather_options_gives_zero3s_losses(tmp_path):
+    """``parallel.keep_gathered`` (one gather a step) and
+    ``parallel.persist_below`` (the tiny GPT's tensors under 5000 elements
+    whole, its 64 x 64 projections among them; the others split) from a run
+    config: the plain ZeRO-3 run's losses to 1e-5."""
+    runs = {}
+    options = {"zero3": "", "keep": ", keep_gathered: true", "persist": ", persist_below: 5000"}
+    for name, extra in options.items():
+        (tmp_path / f"{name}.hjson").write_text(f"parallel: {{zero: 3{extra}}}\n")
+        stdout, runs[name] = _train(
+            tmp_path / name, tmp_path / f"{name}.jsonl", "--config", str(tmp_path / f"{name}.hjson")
+        )
+        assert "ZeRO-3" in stdout, stdout
+    for name in ("keep", "persist"):
+        for a, b in zip(runs[name], runs["zero3"], strict=True):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (name, a, b)
+
+
 @pytest.mark.slow
 def test_train_gpt_with_zeropp_ends_within_one_percent_of_zero3(tmp_path):
     """ZeRO++ from a run config on a ``node`` × ``dp`` mesh of 4 ranks, 200
