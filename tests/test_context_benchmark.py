@@ -294,3 +294,23 @@ def test_context_benchmark_memory_search_smoke(tmp_path, bench):
         assert all(max(t["peak_mib_per_rank"]) <= 384 for t in found["tries"])
     # every cgroup it made removed (another run's may exist meanwhile)
     assert set(Path(base).glob("shardax-context-*")) <= before
+
+
+def test_a_crashed_probe_is_tried_again_and_the_crash_kept(bench, monkeypatch):
+    """torch's CP on CPU once died of heap corruption in CI: the probe runs
+    again, once, and its row says so; two crashes are the error."""
+    outcomes = []
+
+    def launch_run(argv, env, args, result, row):
+        kind = outcomes.pop(0)
+        row.update({"error": "ranks exited with code 134"} if kind == "crash" else {"ranks": 2})
+        return row
+
+    monkeypatch.setattr(bench, "launch_run", launch_run)
+    args = bench.parse_args(["--smoke"])
+    outcomes[:] = ["crash", "ok"]
+    assert bench.run_probe(args, 2) == {"ranks": 2, "crashed": ["ranks exited with code 134"]}
+    outcomes[:] = ["ok"]
+    assert bench.run_probe(args, 2) == {"ranks": 2}
+    outcomes[:] = ["crash", "crash"]
+    assert bench.run_probe(args, 2) == {"error": "ranks exited with code 134"}

@@ -96,5 +96,7 @@ class Regather:
 def _closed(unit: int) -> Batch:
     raise ShardingError(
         f"backward reached unit {unit} after its value_and_grad call ended: the graph "
-        "of an apply under value_and_grad is differentiated once, inside that call"
+        "of an apply under value_and_grad is differentiated once, inside that call; make "
+        "what you differentiate part of the loss the function returns, or compute it "
+        "again outside value_and_grad"
     )
